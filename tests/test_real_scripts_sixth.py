@@ -859,3 +859,123 @@ def test_individual_privacy_tracker_from_per_example_norms_of_each_step():
         assert (
             e == pytest.approx(population.epsilon(1e-5)) if bound else e < population.epsilon(1e-5)
         )
+
+
+# -- nv-tlabs/DPDM: noise multiplicity, each example's loss over K noised copies -----------------
+
+
+class TinyNCSNpp(nn.Module):
+    """DPDM's ``model/ncsnpp.py`` (Song et al.'s NCSN++) in miniature: the noise level's
+    sinusoidal embedding through two linear layers, a class embedding with one more row for
+    the dropped label (classifier-free guidance), added to the features of an input
+    convolution, GroupNorm, SiLU and an output convolution."""
+
+    def __init__(self, channels: int = 1, width: int = 4, classes: int = 3):
+        super().__init__()
+        self.temb = nn.Sequential(nn.Linear(4, 8), nn.SiLU(), nn.Linear(8, width))
+        self.label = nn.Embedding(classes + 1, width)
+        self.conv_in, self.norm = nn.Conv2d(channels, width, 3, padding=1), nn.GroupNorm(2, width)
+        self.conv_out = nn.Conv2d(width, channels, 3, padding=1)
+
+    def forward(self, x, c_noise, y):
+        freqs = torch.exp(-torch.arange(2, dtype=x.dtype))
+        emb = torch.cat(
+            [torch.sin(c_noise[:, None] * freqs), torch.cos(c_noise[:, None] * freqs)], 1
+        )
+        h = self.conv_in(x) + (self.temb(emb) + self.label(y))[:, :, None, None]
+        return self.conv_out(F.silu(self.norm(h)))
+
+
+class EDMDenoiser(nn.Module):
+    """DPDM's ``denoiser.py`` ``EDMDenoiser``: Karras et al.'s preconditioning of the network
+    by the noise level of each row."""
+
+    def __init__(self, model: nn.Module, sigma_data: float = 0.5):
+        super().__init__()
+        self.model, self.sigma_data = model, sigma_data
+
+    def forward(self, x, sigma, y):
+        sd = self.sigma_data
+        c_skip = sd**2 / (sigma**2 + sd**2)
+        c_out = sigma * sd / (sigma**2 + sd**2).sqrt()
+        c_in = 1 / (sd**2 + sigma**2).sqrt()
+        return c_skip * x + c_out * self.model(c_in * x, 0.25 * torch.log(sigma).reshape(-1), y)
+
+
+class NoiseCopies(nn.Module):
+    """The denoiser called on ``[batch, K, ...]``: each example's K noised copies kept on
+    their own dimension (the noise levels ``[batch, K, 1, 1, 1]`` and labels ``[batch, K]``
+    with them), so that the batch the hooks see is the examples'."""
+
+    def __init__(self, denoiser: nn.Module):
+        super().__init__()
+        self.denoiser = denoiser
+
+    def forward(self, x_noisy, sigma, y):
+        out = self.denoiser(x_noisy.flatten(0, 1), sigma.flatten(0, 1), y.flatten(0, 1))
+        return out.unflatten(0, x_noisy.shape[:2])
+
+
+def edm_loss(denoise, x, y, draws, k: int, stacked: bool):
+    """``score_losses.py``'s ``EDMLoss.get_loss`` with ``n_noise_samples=K``: the labels
+    dropped with probability 0.1 and repeated K times, ``log σ ~ N(P_mean, P_std)`` and the
+    noise drawn per copy, the weighted squared error of the denoised copies, averaged per
+    example (``[batch]``). The draws are given (``draws``: the drop mask, the normals of
+    ``log σ``, the noise), so that the loop can take each example's rows. ``stacked``: the
+    denoiser takes ``[batch, K, ...]`` (:class:`NoiseCopies`), else the script's
+    ``x_noisy.reshape(-1, ...)``."""
+    drop, normal, noise = draws
+    y = torch.where(drop, 3, y).repeat_interleave(k).view(len(x), k)
+    sigma = (-1.2 + 1.2 * normal).exp()[:, :, None, None, None]
+    x_repeated = x.unsqueeze(1).repeat_interleave(k, dim=1)
+    x_noisy = x_repeated + sigma * noise
+    w = (sigma**2 + 0.25) / (sigma * 0.5) ** 2
+    if stacked:
+        pred = denoise(x_noisy, sigma, y)
+    else:
+        pred = denoise(x_noisy.reshape(-1, *x.shape[1:]), sigma.reshape(-1, 1, 1, 1), y.reshape(-1))
+        pred = pred.reshape(len(x), k, *x.shape[1:])
+    loss = w * (pred - x_repeated) ** 2
+    return loss.reshape(len(x), -1).mean(-1)
+
+
+def test_dpdm_noise_multiplicity_each_examples_copies_averaged_before_clipping():
+    """nv-tlabs/DPDM ``runners/train_dpdm_base.py``: an EDM denoiser over NCSN++ trained by
+    its Opacus fork's ``make_private_with_epsilon(..., noise_multiplicity=K)`` with
+    ``BatchMemoryManager``, the loss ``EDMLoss(n_noise_samples=K).get_loss(model, x, y)``
+    (each image noised K times, ``model(x_noisy.reshape(-1, ...), ...)``, the error averaged
+    per image), Adam, and an EMA of the weights. With gradhooks the script's call is refused
+    (the hooked model's batch is ``batch·K`` while the losses are ``[batch]``: the message
+    says to keep the copies on their own dimension); with the denoiser called on
+    ``[batch, K, ...]`` (:class:`NoiseCopies`) ``DPOptimizer`` over Adam, physical batches of
+    2, gives at each of 2 steps ``.grad``, the noise taken off, the float64 loop's clipped sum
+    of each image's gradient of its K copies' mean loss, with the same draws."""
+    C, SIGMA, B, K = 1.0, 0.8, 4, 3
+    torch.manual_seed(0)
+    model = NoiseCopies(EDMDenoiser(TinyNCSNpp())).to(D)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    noise, again = torch.Generator().manual_seed(16), torch.Generator().manual_seed(16)
+    g = torch.Generator().manual_seed(17)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        dp = gradhooks.DPOptimizer(opt, h, max_grad_norm=C, noise_multiplier=SIGMA,
+                                   expected_batch_size=B, generator=noise)  # fmt: skip
+        for step in range(2):
+            x = torch.rand(B, 1, 4, 4, generator=g, dtype=D) * 2 - 1
+            y = torch.randint(3, (B,), generator=g)
+            draws = (torch.rand(B, generator=g) < 0.1, torch.randn(B, K, generator=g, dtype=D),
+                     torch.randn(B, K, 1, 4, 4, generator=g, dtype=D))  # fmt: skip
+            if step == 0:  # the script's own call, the copies along the batch
+                with pytest.raises(gradhooks.GradhooksError, match="views|copies|repeat"):
+                    dp.backward(edm_loss(model.denoiser, x[:2], y[:2],
+                                         [d[:2] for d in draws], K, stacked=False))  # fmt: skip
+            for half in (slice(0, 2), slice(2, 4)):  # BatchMemoryManager's physical batches
+                dp.backward(edm_loss(model, x[half], y[half], [d[half] for d in draws], K, True))
+            dp.step()
+            per = [
+                loop(twin, lambda a, b, *d: edm_loss(twin, a, b, d, K, True).sum(), x, y, *draws)
+            ][0]
+            got = denoised(model, again, SIGMA * C, B)
+            assert_all(got, clipped_sum(per, C), f"step {step}", rtol=1e-9, atol=1e-11)
+            dp.zero_grad()
+            follow(twin, model)
