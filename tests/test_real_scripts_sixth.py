@@ -29,7 +29,7 @@ from test_real_scripts_fifth import assert_all, clipped_sum, denoised, flat, fol
 from torch import nn
 
 import gradhooks
-from harness import one_thread  # noqa: F401 (autouse in this module)
+from harness import hf, one_thread, tiny_bert_config  # noqa: F401 (one_thread: autouse)
 
 D = torch.float64
 
@@ -515,37 +515,41 @@ def cross_entropy_rows(model, x, y):
     return F.cross_entropy(model(x), y, reduction="none")
 
 
-def run_checked(private, model, twin, ref_opt, bound, expected, losses_of) -> list[int]:
+def run_checked(private, model, twin, ref_opt, bound, expected, losses_of, first=None) -> list[int]:
     """The loop of ``make_private``'s docstring over ``private.batches()``, ``losses_of(model,
-    x, y)`` each physical batch's per-example losses. At each logical step the gradient the
+    *batch)`` each physical batch's per-example losses. At each logical step the gradient the
     wrapped optimizer steps on, times the expected batch size, the noise drawn again and taken
     off, is the float64 loop's clipped sum on the twin over the logical batch; the twin steps
-    on that gradient with ``ref_opt`` and its parameters are the model's. Returns the physical
-    batches' sizes."""
+    on that gradient with ``ref_opt`` and its parameters are the model's. ``first(model,
+    *batch)``, if given, runs on the first batch before its backward (a mistake to be refused).
+    Returns the physical batches' sizes."""
     seen = []
     handle = private.optimizer.optimizer.register_step_pre_hook(
         lambda *_: seen.append(grads_of(model))
     )
     sigma, sizes = private.noise_multiplier, []
     physical, state = [], None
-    for x, y in private.batches():
+    for batch in private.batches():
         if not physical:
             state = private.optimizer.generator.get_state()
-        physical.append((x, y))
-        sizes.append(len(x))
-        private.backward(losses_of(model, x, y))
+        if first is not None and not sizes:
+            first(model, *batch)
+        physical.append(batch)
+        sizes.append(len(batch[0]))
+        private.backward(losses_of(model, *batch))
         if not private.step():
             continue
-        x, y = torch.cat([b[0] for b in physical]), torch.cat([b[1] for b in physical])
+        whole = [torch.cat(ts) for ts in zip(*physical)]
         physical = []
-        per = loop(twin, lambda a, b: losses_of(twin, a, b).sum(), x, y)
+        per = loop(twin, lambda *rows: losses_of(twin, *rows).sum(), *whole)
         noise = torch.Generator().set_state(state)
         got = {n: t * expected - sigma * bound * torch.randn(t.shape, generator=noise, dtype=D)
                for n, t in seen[-1].items()}  # fmt: skip
         what = f"step {private.steps_taken}"
         assert_all(got, clipped_sum(per, bound), f"{what}: the clipped sum", rtol=1e-9, atol=1e-11)
         for n, p in twin.named_parameters():
-            p.grad = seen[-1][n]
+            if n in seen[-1]:
+                p.grad = seen[-1][n]
         ref_opt.step()
         assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
                    f"{what}: the optimizer's update")  # fmt: skip
@@ -979,3 +983,65 @@ def test_dpdm_noise_multiplicity_each_examples_copies_averaged_before_clipping()
             assert_all(got, clipped_sum(per, C), f"step {step}", rtol=1e-9, atol=1e-11)
             dp.zero_grad()
             follow(twin, model)
+
+
+def test_opacus_text_classifier_tutorial_bert_last_layer_and_head_with_the_loss_inside():
+    """pytorch/opacus ``tutorials/building_text_classifier.ipynb``: ``BertForSequenceClassification``
+    with every parameter frozen but the last encoder layer's, the pooler's and the classifier's,
+    ``AdamW(lr=5e-4, eps=1e-8)``, ``make_private_with_epsilon(target_epsilon=7.5, target_delta=
+    1 / len(train_dataloader), max_grad_norm=0.1)``, ``BatchMemoryManager`` and, in the loop,
+    ``loss = model(**inputs)[0]`` (the model's own mean over the batch). With
+    ``gradhooks.make_private`` the tutorial's δ, one over the number of batches, is above
+    ``1 / n`` and warns; the model's mean loss handed to ``private.backward`` is refused (one
+    loss per example), and the per-example cross-entropy of ``outputs.logits`` is each step's
+    clipped sum, the noise taken off, of the float64 loop, with AdamW's update of it; the frozen
+    layers do not move."""
+    config = tiny_bert_config(num_labels=3)
+    config.num_hidden_layers = 2
+    torch.manual_seed(0)
+    model = hf("BertForSequenceClassification")(config).to(D)
+    model.train()
+    for p in model.parameters():
+        p.requires_grad = False
+    for layer in (model.bert.encoder.layer[-1], model.bert.pooler, model.classifier):
+        for p in layer.parameters():
+            p.requires_grad = True
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(18)
+    n, seq = 32, 6
+    ids = torch.randint(1, 20, (n, seq), generator=g)
+    lengths = torch.randint(3, seq + 1, (n,), generator=g)
+    mask = (torch.arange(seq) < lengths[:, None]).long()
+    data = torch.utils.data.TensorDataset(ids * mask, mask, torch.zeros_like(ids),
+                                          torch.randint(3, (n,), generator=g))  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=5e-4, eps=1e-8)
+    ref_opt = torch.optim.AdamW(
+        [p for p in twin.parameters() if p.requires_grad], lr=5e-4, eps=1e-8
+    )
+
+    def outputs(m, input_ids, attention_mask, token_type_ids, labels):
+        return m(input_ids=input_ids, attention_mask=attention_mask,
+                 token_type_ids=token_type_ids, labels=labels)  # fmt: skip
+
+    def losses_of(m, *batch):
+        return F.cross_entropy(outputs(m, *batch).logits, batch[-1], reduction="none")
+
+    with pytest.warns(gradhooks.GradhooksWarning, match="delta|δ"):
+        private = gradhooks.make_private(
+            model, optimizer, data, target_epsilon=7.5, delta=1 / (n // 8), steps=2,
+            expected_batch_size=8, max_grad_norm=0.1, max_physical_batch_size=4,
+            generator=torch.Generator().manual_seed(2),
+        )  # fmt: skip
+
+    def the_tutorials_loss(m, *batch):
+        with pytest.raises(gradhooks.GradhooksError, match=r"loss"):
+            private.backward(outputs(m, *batch)[0])
+
+    run_checked(private, model, twin, ref_opt, 0.1, 8, losses_of, first=the_tutorials_loss)
+    private.close()
+    assert private.steps_taken == 2
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
