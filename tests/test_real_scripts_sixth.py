@@ -21,6 +21,7 @@ tolerance.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -1045,3 +1046,139 @@ def test_opacus_text_classifier_tutorial_bert_last_layer_and_head_with_the_loss_
     for name, p in model.named_parameters():
         if name in frozen:
             assert torch.equal(p, frozen[name]), name
+
+
+# -- pytorch/opacus examples/mnist_lightning.py: make_private inside a LightningModule ----------
+
+
+def lightning_classifier(L):
+    """``mnist_lightning.py``'s ``LitSampleConvNetClassifier`` (its ``SampleConvNet`` in
+    miniature) with gradhooks in the privacy engine's place: ``configure_optimizers`` makes the
+    SGD optimizer and ``gradhooks.make_private`` over the training set (the script's
+    ``make_private`` over the trainer's loader), whose Poisson batches are the training
+    loader; ``training_step`` hands each example's loss to ``private.backward`` and steps
+    (manual optimization: Lightning's own step would step the optimizer on the unclipped
+    gradient); ``on_train_epoch_end`` logs ε."""
+
+    class LitSampleConvNetClassifier(L.LightningModule):
+        def __init__(self, data, record: list, sigma: float, clip: float):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 3, 4, 2, padding=1)
+            self.conv2 = nn.Conv2d(3, 4, 2, 1)
+            self.fc1, self.fc2 = nn.Linear(4 * 2 * 2, 6), nn.Linear(6, 3)
+            self.automatic_optimization = False
+            self.data, self.record, self.sigma, self.clip = data, record, sigma, clip
+            self.epsilons: list[float] = []
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv1(x)), 2, 1)  # [B, 3, 4, 4] from 10x10
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2, 1)  # [B, 4, 2, 2]
+            return self.fc2(F.relu(self.fc1(x.view(-1, 4 * 2 * 2))))
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0)
+            self.private = gradhooks.make_private(
+                self, optimizer, self.data, noise_multiplier=self.sigma, delta=1e-5, steps=3,
+                expected_batch_size=4, max_grad_norm=self.clip,
+                generator=torch.Generator().manual_seed(4),
+            )  # fmt: skip
+            return self.private.optimizer
+
+        def train_dataloader(self):
+            return self.private.batches()
+
+        def training_step(self, batch, batch_idx):
+            data, target = batch
+            before = {n: p.detach().clone() for n, p in self.named_parameters()}
+            state = self.private.optimizer.generator.get_state()
+            loss = F.cross_entropy(self(data), target, reduction="none")
+            self.private.backward(loss)
+            assert self.private.step()
+            self.record.append((before, state, (data.clone(), target.clone())))
+            self.log("train_loss", loss.mean(), on_step=False, on_epoch=True, batch_size=len(data))
+
+        def on_train_epoch_end(self):
+            self.epsilons.append(self.private.epsilon)
+
+    return LitSampleConvNetClassifier
+
+
+def fit_lightning(L, module) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, precision="64-true",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        warnings.filterwarnings("ignore", module="pytorch_lightning")
+        trainer.fit(module)
+
+
+def lightning_data():
+    g = torch.Generator().manual_seed(19)
+    return torch.utils.data.TensorDataset(torch.randn(16, 1, 10, 10, generator=g, dtype=D),
+                                          torch.randint(3, (16,), generator=g))  # fmt: skip
+
+
+def test_opacus_mnist_lightning_make_private_in_configure_optimizers():
+    """pytorch/opacus ``examples/mnist_lightning.py``: the privacy engine set up in the
+    module's ``configure_optimizers`` over the trainer's training loader, the wrapped model in
+    ``training_step``, ε logged at each epoch's end, ``pl.Trainer(max_epochs=...)``. With
+    ``gradhooks.make_private`` called in ``configure_optimizers`` on the module itself, its
+    Poisson batches as ``train_dataloader`` and each batch taken inside the step
+    (``training_step(self, dataloader_iter)``, the remedy the refusal of the read-ahead loop
+    below names), under Lightning's ``Trainer`` in float64: the 3 steps are each the float64
+    loop's clipped sum plus the noise over the expected batch, at the parameters Lightning's
+    loop reached, and the ε logged is the accountant's."""
+    L = pytest.importorskip("lightning")
+    C, SIGMA, E = 1.0, 1.1, 4
+
+    class ByIterator(lightning_classifier(L)):
+        def training_step(self, dataloader_iter):
+            batch, batch_idx, _ = next(dataloader_iter)
+            return super().training_step(batch, batch_idx)
+
+    record: list = []
+    torch.manual_seed(0)
+    module = ByIterator(lightning_data(), record, SIGMA, C).to(D)
+    twin = copy.deepcopy(module)
+    fit_lightning(L, module)
+    assert len(record) == 3 and module.private.steps_taken == 3
+    after = {n: p.detach().clone() for n, p in module.named_parameters()}
+    module.private.close()
+    for k, (before, state, (x, y)) in enumerate(record):
+        with torch.no_grad():
+            for n, p in twin.named_parameters():
+                p.copy_(before[n])
+        per = loop(twin, lambda a, b: F.cross_entropy(twin(a), b), x, y)
+        want = clipped_sum(per, C)
+        noise = torch.Generator().set_state(state)
+        nxt = record[k + 1][0] if k + 1 < len(record) else after
+        got = {n: (before[n] - nxt[n]) / 0.1 * E - SIGMA * C * torch.randn(
+            before[n].shape, generator=noise, dtype=D) for n in want}  # fmt: skip
+        assert_all(got, want, f"step {k}", rtol=1e-8, atol=1e-10)
+    accountant = gradhooks.PrivacyAccountant()
+    accountant.step(noise_multiplier=SIGMA, sample_rate=E / 16, steps=3)
+    assert module.epsilons == [pytest.approx(accountant.epsilon(1e-5), rel=1e-12)]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.StateError,
+    reason="Lightning's fit loop fetches the next batch before the training step of the one it "
+    "has (a read-ahead of one); private.batches() refuses to give a batch while the last one "
+    "has no backward and step, so that a batch left out is caught at once. Following a "
+    "read-ahead would take a queue of the batches given and not stepped in PrivateTraining "
+    "(with the end of the plan counted over them) and would catch a left-out batch one batch "
+    "late; the error names the remedy (take the batch in training_step from dataloader_iter).",
+)
+def test_opacus_mnist_lightning_with_the_batch_given_to_training_step():
+    """The same module with the script's ``training_step(self, batch, batch_idx)``: every batch
+    gets its backward and its step, one batch after Lightning asked for the next."""
+    L = pytest.importorskip("lightning")
+    torch.manual_seed(0)
+    module = lightning_classifier(L)(lightning_data(), [], 1.1, 1.0).to(D)
+    try:
+        fit_lightning(L, module)
+    finally:
+        module.private.close()
+    assert module.private.steps_taken == 3
