@@ -1182,3 +1182,162 @@ def test_opacus_mnist_lightning_with_the_batch_given_to_training_step():
     finally:
         module.private.close()
     assert module.private.steps_taken == 3
+
+
+# -- rahafaljundi/Gradient-based-Sample-Selection: GSS-Greedy's per-sample gradient scores -------
+
+
+class GSSGreedy(nn.Module):
+    """``model/GSS_Greedy.py``'s ``Net`` in miniature: an MLP trained on each received batch
+    (and on a batch replayed from the buffer), the batch kept when the memory is full, scored
+    sample by sample (``get_each_batch_sample_sim``: one forward and backward per sample, the
+    largest cosine similarity of its gradient with the gradients of ``memory_strength`` random
+    buffer batches) and put into the buffer, or in place of buffer samples drawn by their
+    scores. (``outcome.squeeze(1).byte()`` indexes as ``.bool()``: a uint8 mask no longer
+    indexes in torch.)"""
+
+    def __init__(self, n_memories: int = 3, buffer: int = 6, rn: int = 2, sim_th: float = 2.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+        self.ce = nn.CrossEntropyLoss()
+        self.opt = torch.optim.SGD(self.parameters(), 0.1)
+        self.n_memories, self.n_sampled_memories, self.n_constraints = n_memories, buffer, 3
+        self.rn, self.sim_th = rn, sim_th
+        self.memory_data = torch.zeros(n_memories, 4, dtype=D)
+        self.memory_labs = torch.zeros(n_memories, dtype=torch.long)
+        self.sampled_memory_data = self.sampled_memory_labs = self.sampled_memory_cos = None
+        self.grad_dims = [p.numel() for p in self.parameters()]
+        self.mem_cnt, self.scores = 0, []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def grad_vector(self):
+        return torch.cat([torch.zeros(p.numel(), dtype=D) if p.grad is None else p.grad.view(-1)
+                          for p in self.parameters()])  # fmt: skip
+
+    @staticmethod
+    def cosine_similarity(x1, x2):
+        return x1 @ x2.T / (x1.norm(dim=1, keepdim=True) * x2.norm(dim=1, keepdim=True).T)
+
+    def observe(self, x, y):
+        self.memory_data[self.mem_cnt : self.mem_cnt + len(y)] = x
+        self.memory_labs[self.mem_cnt : self.mem_cnt + len(y)] = y
+        self.mem_cnt += len(y)
+        if self.sampled_memory_data is not None:
+            shuffled = torch.randperm(self.sampled_memory_labs.size(0))
+            effective = min(self.n_constraints, self.sampled_memory_labs.size(0))
+        self.zero_grad()
+        self.ce(self(x), y).backward()
+        self.opt.step()
+        if self.sampled_memory_data is not None:
+            idx = shuffled[:effective]
+            self.zero_grad()
+            self.ce(self(self.sampled_memory_data[idx]), self.sampled_memory_labs[idx]).backward()
+            self.opt.step()
+        if self.mem_cnt < self.n_memories:
+            return
+        self.eval()
+        if self.sampled_memory_data is not None and self.n_sampled_memories <= len(
+            self.sampled_memory_data
+        ):
+            if self.get_batch_sim(effective) < self.sim_th:
+                cos = self.sampled_memory_cos
+                buffer_sim = (cos - cos.min()) / ((cos.max() - cos.min()) + 0.01)
+                index = torch.multinomial(buffer_sim, len(x), replacement=False)
+                item_sim = self.get_each_batch_sample_sim()
+                weights = torch.cat(
+                    [((item_sim + 1) / 2)[:, None], ((cos[index] + 1) / 2)[:, None]], 1
+                )
+                sub = torch.multinomial(weights, 1, replacement=False).squeeze(1).bool()
+                added = torch.arange(len(item_sim))
+                self.sampled_memory_data[index[sub]] = x[added[sub]].clone()
+                self.sampled_memory_labs[index[sub]] = y[added[sub]].clone()
+                self.sampled_memory_cos[index[sub]] = item_sim[added[sub]].clone()
+        elif self.sampled_memory_data is None:
+            self.sampled_memory_data = self.memory_data.clone()
+            self.sampled_memory_labs = self.memory_labs.clone()
+            self.sampled_memory_cos = torch.zeros(len(self.memory_data), dtype=D) + 0.1
+        else:
+            self.get_batch_sim(effective)
+            cos = self.get_each_batch_sample_sim()
+            self.sampled_memory_cos = torch.cat([self.sampled_memory_cos, cos.clone()])
+            self.sampled_memory_data = torch.cat(
+                [self.sampled_memory_data, self.memory_data.clone()]
+            )
+            self.sampled_memory_labs = torch.cat(
+                [self.sampled_memory_labs, self.memory_labs.clone()]
+            )
+        self.mem_cnt = 0
+        self.train()
+
+    def get_batch_sim(self, effective):
+        shuffled = torch.randperm(self.sampled_memory_labs.size(0))
+        grads = []
+        for b in range(self.rn):
+            idx = shuffled[b * effective : (b + 1) * effective]
+            self.zero_grad()
+            self.ce(self(self.sampled_memory_data[idx]), self.sampled_memory_labs[idx]).backward()
+            grads.append(self.grad_vector())
+            if (b + 1) * effective >= self.sampled_memory_labs.size(0):
+                break
+        self.mem_grads = torch.stack(grads)
+        self.zero_grad()
+        self.ce(self(self.memory_data), self.memory_labs).backward()
+        return self.cosine_similarity(self.mem_grads, self.grad_vector()[None]).max()
+
+    def get_each_batch_sample_sim(self):
+        """The script's loop: one backward per sample of the memory."""
+        sims = []
+        for x, y in zip(self.memory_data, self.memory_labs):
+            self.zero_grad()
+            self.ce(self(x[None]), y[None]).backward()
+            sims.append(self.cosine_similarity(self.mem_grads, self.grad_vector()[None]).max())
+        self.scores.append(torch.stack(sims))
+        return self.scores[-1]
+
+
+class GSSGreedyByGrad1(GSSGreedy):
+    """The same, each sample's gradient taken from ``grad1`` of one backward of the memory
+    (the model hooked once, at its construction)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hooks = gradhooks.add_hooks(self.net)
+
+    def get_each_batch_sample_sim(self):
+        self.zero_grad()
+        self.ce(self(self.memory_data), self.memory_labs).backward()
+        rows = torch.cat([p.grad1.flatten(1) for p in self.parameters()], 1)
+        self.scores.append(self.cosine_similarity(rows, self.mem_grads).max(1).values)
+        return self.scores[-1]
+
+
+def test_gss_greedy_sample_scores_from_grad1_pick_the_same_buffer():
+    """rahafaljundi/Gradient-based-Sample-Selection ``model/GSS_Greedy.py``: each received
+    batch trains the MLP (and a replayed buffer batch), then its samples are scored by the
+    largest cosine similarity of each sample's own gradient with buffer batches' gradients,
+    one backward per sample, and enter the buffer or replace buffer samples drawn by their
+    scores. With the scores from ``grad1`` of one backward of the whole memory, over 4
+    received batches (the buffer filled by the second, samples replaced from the third on),
+    every batch of scores is the loop's, and, from the same seed, the buffer, its scores and
+    the weights are the script's own."""
+    g = torch.Generator().manual_seed(20)
+    batches = [(torch.randn(3, 4, generator=g, dtype=D), torch.randint(3, (3,), generator=g))
+               for _ in range(4)]  # fmt: skip
+    runs = []
+    for kind in (GSSGreedy, GSSGreedyByGrad1):
+        torch.manual_seed(0)
+        model = kind().to(D)
+        for x, y in batches:
+            model.observe(x, y)
+        runs.append(model)
+    script, hooked = runs
+    assert len(script.scores) == len(hooked.scores) == 3
+    for k, (got, want) in enumerate(zip(hooked.scores, script.scores)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"scores {k}")
+    assert torch.equal(hooked.sampled_memory_labs, script.sampled_memory_labs)
+    torch.testing.assert_close(hooked.sampled_memory_data, script.sampled_memory_data)
+    torch.testing.assert_close(hooked.sampled_memory_cos, script.sampled_memory_cos)
+    assert_all(dict(hooked.named_parameters()), dict(script.named_parameters()), "the weights")
+    hooked.hooks.remove()
