@@ -21,6 +21,7 @@ tolerance.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -1341,3 +1342,125 @@ def test_gss_greedy_sample_scores_from_grad1_pick_the_same_buffer():
     torch.testing.assert_close(hooked.sampled_memory_cos, script.sampled_memory_cos)
     assert_all(dict(hooked.named_parameters()), dict(script.named_parameters()), "the weights")
     hooked.hooks.remove()
+
+
+# -- IST-DASLab/WoodFisher: the inverse empirical Fisher by Woodbury, one sample at a time ----
+
+
+class WoodburryFisherPruner:
+    """``policies/pruners.py``'s ``WoodburryFisherPruner`` (weights only) in miniature: the
+    inverse of the damped empirical Fisher ``λI + (1/N) Σ g gᵀ`` built sample by sample by the
+    Woodbury identity from each sample's masked weight gradient (``sample_grads``), the
+    statistic ``w² / [F⁻¹]_qq`` of each weight, the weights below the sparsity's percentile
+    pruned and the others moved by the OBS update ``F⁻¹ (-w_q / [F⁻¹]_qq) e_q``."""
+
+    def __init__(self, model, damp: float = 1e-3):
+        self.model, self.damp = model, damp
+        self.modules = [m for m in model.modules() if hasattr(m, "weight_mask")]
+
+    def fisher_inverse(self, sample_grads: torch.Tensor) -> torch.Tensor:
+        goal = len(sample_grads)
+        f_inv = None
+        for g in sample_grads:
+            if f_inv is None:
+                f_inv = torch.outer(g, g).mul_(1 / self.damp**2).div_(goal + g.dot(g) / self.damp)
+                f_inv.diagonal().sub_(1 / self.damp)
+                f_inv.mul_(-1)
+            else:
+                cache = f_inv @ g
+                cache.div_((goal + g.dot(cache)) ** 0.5)
+                f_inv.sub_(torch.outer(cache, cache))
+        return f_inv
+
+    def prune(self, sample_grads: torch.Tensor, sparsity: float) -> None:
+        f_inv = self.fisher_inverse(sample_grads)
+        diag = f_inv.diagonal()
+        stats, start = [], 0
+        for m in self.modules:
+            d = diag[start : start + m.weight.numel()].view_as(m.weight)
+            stats.append(((m.weight.detach() ** 2) / (d + 1e-10) + 1e-10) * m.weight_mask)
+            start += m.weight.numel()
+        flat = torch.cat([s.flatten() for s in stats])
+        threshold = torch.topk(flat, math.ceil(flat.numel() * (1 - sparsity)))[0][-1]
+        old = [m.weight_mask for m in self.modules]
+        for m, s in zip(self.modules, stats):
+            m.weight_mask = (s > threshold).to(D)
+        pruned = torch.cat([(o - m.weight_mask).flatten() for o, m in zip(old, self.modules)])
+        weights = torch.cat([m.weight.detach().flatten() for m in self.modules])
+        updates = f_inv @ (-pruned * weights / diag)
+        start = 0
+        for m, o in zip(self.modules, old):
+            u = updates[start : start + m.weight.numel()].view_as(m.weight).clone()
+            start += m.weight.numel()
+            gone = o > m.weight_mask
+            u[gone] = -m.weight.detach()[gone]
+            with torch.no_grad():
+                m.weight.add_(u)
+
+
+def woodfisher_net() -> nn.Sequential:
+    """The repository's ``MlpNet`` in miniature (log-softmax outputs, ``F.nll_loss``), each
+    Linear with its ``weight_mask``."""
+    net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3), nn.LogSoftmax(1)).to(D)
+    for m in (net[0], net[2]):
+        m.weight_mask = torch.ones_like(m.weight)
+    return net
+
+
+def test_woodfisher_inverse_from_grad1_prunes_as_the_per_sample_loop():
+    """IST-DASLab/WoodFisher ``policies/pruners.py``'s ``WoodburryFisherPruner``: with
+    ``fisher_mini_bsz=1`` its loader gives one sample at a time, each sample's gradient of
+    ``F.nll_loss`` (``torch.autograd.grad``, masked by the weight masks) enters the Woodbury
+    recursion of the inverse Fisher, and the pruner removes the weights of least statistic and
+    moves the others (OBS), the model in eval mode. With the model hooked and the sample
+    gradients ``grad1`` of one backward of the same samples (masked alike), two gradual
+    pruning steps (sparsity 0.3, then 0.6, a masked SGD step on a batch between them) give the
+    masks and weights of the script's loop, and each inverse is the loop's."""
+    g = torch.Generator().manual_seed(21)
+    x, y = torch.randn(8, 5, generator=g, dtype=D), torch.randint(3, (8,), generator=g)
+    order = torch.randperm(8, generator=g)  # SubsetRandomSampler's order
+    torch.manual_seed(0)
+    nets = [woodfisher_net(), None]
+    nets[1] = copy.deepcopy(nets[0])
+    hooked, script = nets
+    pruners = [WoodburryFisherPruner(n) for n in nets]
+
+    def loop_grads(net):  # the script's loader of one sample
+        rows = []
+        for i in order:
+            grads = torch.autograd.grad(F.nll_loss(net(x[i : i + 1]), y[i : i + 1]),
+                                        [net[0].weight, net[2].weight])  # fmt: skip
+            rows.append(torch.cat([(gr * m.weight_mask).flatten()
+                                   for gr, m in zip(grads, (net[0], net[2]))]))  # fmt: skip
+        return torch.stack(rows)
+
+    with gradhooks.add_hooks(hooked) as h:
+        for sparsity in (0.3, 0.6):
+            for net in nets:
+                net.eval()
+            hooked.zero_grad()
+            F.nll_loss(hooked(x[order]), y[order]).backward()
+            rows = torch.cat([(m.weight.grad1 * m.weight_mask).flatten(1)
+                              for m in (hooked[0], hooked[2])], 1)  # fmt: skip
+            want = loop_grads(script)
+            torch.testing.assert_close(rows, want, rtol=1e-10, atol=1e-13)
+            torch.testing.assert_close(pruners[0].fisher_inverse(rows),
+                                       pruners[1].fisher_inverse(want), rtol=1e-9, atol=1e-9)  # fmt: skip
+            for pruner, sample_grads in zip(pruners, (rows, want)):
+                pruner.prune(sample_grads, sparsity)
+            for a, b in zip((hooked[0], hooked[2]), (script[0], script[2])):
+                assert torch.equal(a.weight_mask, b.weight_mask)
+            assert_all(dict(hooked.named_parameters()), dict(script.named_parameters()),
+                       f"sparsity {sparsity}: the pruned weights", rtol=1e-8, atol=1e-10)  # fmt: skip
+            kept = sum(int(m.weight_mask.sum()) for m in (hooked[0], hooked[2]))
+            assert kept == math.ceil(48 * (1 - sparsity)) - 1  # (strictly above the k-th)
+            for net in nets:  # a fine-tuning step, gradients masked
+                net.train()
+                net.zero_grad()
+                F.nll_loss(net(x), y).backward()
+                with torch.no_grad():
+                    for p in net.parameters():
+                        p -= 0.1 * p.grad
+                    for m in (net[0], net[2]):
+                        m.weight.mul_(m.weight_mask)
+        h.clear()
