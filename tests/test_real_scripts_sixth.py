@@ -1473,3 +1473,97 @@ def test_woodfisher_inverse_from_grad1_prunes_as_the_per_sample_loop():
                     for m in (net[0], net[2]):
                         m.weight.mul_(m.weight_mask)
         h.clear()
+
+
+# -- JinseongP/DPSAT: the ascent from the last privatized gradient, the step from the weights -----
+
+
+class DPSAT:
+    """``src/optim/minimizer.py``'s ``DPSAT``: ``ascent_step`` moves the weights by ``ρ`` along
+    the last step's privatized gradient (normalized; none before the first step), and after
+    the DP gradient at the moved weights, the weights are moved back, that gradient kept for
+    the next ascent, and the optimizer steps. With gradhooks' ``DPOptimizer`` the move back is
+    a step pre-hook of the wrapped optimizer: it runs once ``.grad`` holds the noised step's
+    gradient and before the optimizer's step (the script's ``descent_step`` between Opacus'
+    ``pre_step()`` and ``original_optimizer.step()``)."""
+
+    def __init__(self, optimizer, model, rho: float):
+        self.model, self.rho, self.prev, self.eps = model, rho, {}, {}
+        optimizer.register_step_pre_hook(lambda *_: self.descent())
+
+    @torch.no_grad()
+    def ascent_step(self):
+        params = list(self.model.parameters())
+        prev = [self.prev.get(p, torch.zeros_like(p)) for p in params]
+        norm = torch.norm(torch.stack([torch.norm(g) for g in prev]))
+        norm = norm + 1e-16 if norm != 0 else torch.ones_like(norm)
+        for p, g in zip(params, prev):
+            self.eps[p] = g * (self.rho / norm)
+            p.add_(self.eps[p])
+
+    @torch.no_grad()
+    def descent(self):
+        for p in self.model.parameters():
+            p.sub_(self.eps[p])
+            self.prev[p] = p.grad.clone()
+
+
+def test_dpsat_gradient_at_the_weights_moved_by_the_last_private_gradient():
+    """JinseongP/DPSAT ``src/trainer/dptrainer.py``'s ``_update_weight`` with the ``DPSAT``
+    minimizer over Opacus: ``minimizer.ascent_step()`` (the weights moved along the previous
+    step's noised gradient, at no privacy cost), the cross-entropy at the moved weights
+    backpropagated through the privacy engine, ``minimizer.descent_step()`` (the noised
+    gradient, the weights moved back, SGD's step). With ``DPOptimizer`` over SGD and
+    gradhooks' ``PoissonSampler``, for 3 steps the gradient SGD steps on, the noise taken off,
+    is the float64 loop's clipped sum at the moved weights, and the weights are those of the
+    script's update on that gradient from the weights before the move."""
+    C, SIGMA, N, E, RHO = 1.0, 1.0, 12, 4, 0.05
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(D)
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(22)
+    x, y = torch.randn(N, 5, generator=g, dtype=D), torch.randint(3, (N,), generator=g)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(twin.parameters(), lr=0.5, momentum=0.9)
+    seen = []
+    inner.register_step_pre_hook(lambda *_: seen.append(grads_of(model)))
+    noise = torch.Generator().manual_seed(23)
+    sampler = gradhooks.PoissonSampler(N, E, steps=3, generator=torch.Generator().manual_seed(24))
+    prev = None
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        dp = gradhooks.DPOptimizer(inner, h, max_grad_norm=C, noise_multiplier=SIGMA,
+                                   expected_batch_size=E, generator=noise)  # fmt: skip
+        minimizer = DPSAT(inner, model, RHO)
+        for step, idx in enumerate(sampler):
+            state = noise.get_state()
+            dp.zero_grad()
+            minimizer.ascent_step()
+            dp.backward(F.cross_entropy(model(x[idx]), y[idx], reduction="none"))
+            dp.step()  # the noised gradient, the weights moved back (pre-hook), SGD's step
+            # the script's step on the twin, by the loop
+            with torch.no_grad():
+                params = list(twin.parameters())
+                if prev is None:
+                    moves = [torch.zeros_like(p) for p in params]
+                else:
+                    norm = torch.norm(torch.stack([torch.norm(t) for t in prev]))
+                    moves = [t * (RHO / (norm + 1e-16)) for t in prev]
+                for p, m in zip(params, moves):
+                    p.add_(m)
+            per = loop(twin, lambda a, b: F.cross_entropy(twin(a), b), x[idx], y[idx])
+            want = clipped_sum(per, C)
+            again = torch.Generator().set_state(state)
+            got = {n: t * E - SIGMA * C * torch.randn(t.shape, generator=again, dtype=D)
+                   for n, t in seen[-1].items()}  # fmt: skip
+            assert_all(got, want, f"step {step}: the clipped sum at the moved weights",
+                       rtol=1e-9, atol=1e-11)  # fmt: skip
+            with torch.no_grad():
+                for p, m in zip(params, moves):
+                    p.sub_(m)
+            for n, p in twin.named_parameters():
+                p.grad = seen[-1][n]
+            prev = [seen[-1][n] for n, _ in twin.named_parameters()]
+            ref_opt.step()
+            assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
+                       f"step {step}: the weights")  # fmt: skip
+    assert len(seen) == 3
