@@ -1567,3 +1567,69 @@ def test_dpsat_gradient_at_the_weights_moved_by_the_last_private_gradient():
             assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
                        f"step {step}: the weights")  # fmt: skip
     assert len(seen) == 3
+
+
+# -- facebookresearch/DomainBed ANDMask: each environment's gradient from the examples' rows -----
+
+
+def and_mask(tau, gradients, params):
+    """``domainbed/algorithms.py``'s ``ANDMask.mask_grads``: each entry of the environments'
+    mean gradient kept where at least ``τ`` of their signs agree, rescaled by the kept
+    fraction."""
+    for param, grads in zip(params, gradients):
+        grads = torch.stack(grads, dim=0)
+        mask = (torch.sign(grads).mean(0).abs() >= tau).to(torch.float32)
+        param.grad = mask * grads.mean(0)
+        param.grad *= 1.0 / (1e-10 + mask.sum() / mask.numel())
+
+
+def test_domainbed_and_mask_environment_gradients_as_means_of_grad1_rows():
+    """facebookresearch/DomainBed ``domainbed/algorithms.py``'s ``ANDMask.update``: one
+    forward and one ``autograd.grad`` per environment, the environments' gradients masked by
+    the agreement of their signs (``τ``) and averaged into ``.grad``, Adam's step. With the
+    network hooked, one forward and backward of the environments' examples together, each
+    environment's gradient the mean of its examples' ``grad1`` rows (each environment's loss
+    a mean over its own examples): over 3 steps the environments' gradients are the loop's,
+    some entries are masked out, and the masked gradient and the weights are the script's."""
+    TAU = 0.8
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                            nn.Linear(8, 3)).to(D)  # fmt: skip
+    twin = copy.deepcopy(network)
+    opt = torch.optim.Adam(network.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(25)
+    sizes = [3, 2, 4]  # environments of unequal sizes
+    with gradhooks.add_hooks(network):
+        for step in range(3):
+            minibatches = [(torch.randn(n, 4, generator=g, dtype=D) + e,
+                            torch.randint(3, (n,), generator=g)) for e, n in enumerate(sizes)]  # fmt: skip
+            # the script's loop, on the twin
+            want = [[] for _ in twin.parameters()]
+            for x, y in minibatches:
+                env_grads = torch.autograd.grad(
+                    F.cross_entropy(twin(x), y), list(twin.parameters())
+                )
+                for grads, eg in zip(want, env_grads):
+                    grads.append(eg)
+            ref_opt.zero_grad()
+            and_mask(TAU, want, list(twin.parameters()))
+            ref_opt.step()
+            # one forward and backward of every environment's examples
+            all_x = torch.cat([x for x, _ in minibatches])
+            all_y = torch.cat([y for _, y in minibatches])
+            opt.zero_grad()
+            F.cross_entropy(network(all_x), all_y).backward()
+            got = [[rows.mean(0) for rows in p.grad1.split(sizes)] for p in network.parameters()]
+            for k, (a, b) in enumerate(zip(got, want)):
+                torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=1e-10, atol=1e-13,
+                                           msg=f"step {step}: parameter {k}")  # fmt: skip
+            opt.zero_grad()
+            and_mask(TAU, got, list(network.parameters()))
+            masked = [p.grad.clone() for p in network.parameters()]
+            assert any(bool((m == 0).any()) for m in masked)
+            for m, p in zip(masked, twin.parameters()):
+                torch.testing.assert_close(m, p.grad, rtol=1e-9, atol=1e-12)
+            opt.step()
+            assert_all(dict(network.named_parameters()), dict(twin.named_parameters()),
+                       f"step {step}: the weights")  # fmt: skip
