@@ -319,8 +319,8 @@ class EKFACNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(2, 3, 3)
-        self.fc1, self.fc2 = nn.Linear(3 * 4 * 4, 5), nn.Linear(5, 3)
+        self.conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.fc1, self.fc2 = nn.Linear(3 * 3 * 3, 5), nn.Linear(5, 3)
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(torch.relu(self.conv(x)).flatten(1))))
@@ -348,7 +348,8 @@ class ScriptEKFAC:
         n]``."""
         x, gy = self.saved[(mod, "x")], self.saved[(mod, "gy")]
         if isinstance(mod, nn.Conv2d):
-            x = F.unfold(x, mod.kernel_size).transpose(1, 2)  # the gathering filter's patches
+            x = F.unfold(x, mod.kernel_size, padding=mod.padding, stride=mod.stride)
+            x = x.transpose(1, 2)  # the gathering filter's patches
             gy = gy.flatten(2).transpose(1, 2)
         else:
             x, gy = x[:, None], gy[:, None]
@@ -601,14 +602,16 @@ def test_opacus_image_classifier_tutorial_converted_resnet_rmsprop_and_virtual_s
 # -- awslabs/fast-differential-privacy: multi-label CelebA --------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["BK-MixOpt", "BiTFiT"])
+@pytest.mark.parametrize("mode", ["BK-MixOpt", "BK-ghost", "BiTFiT"])
 def test_fastdp_celeba_multi_label_bce_summed_over_attributes_with_accumulation(mode):
     """awslabs/fast-differential-privacy ``examples/image_classification/CelebA_TIMM.py``: a
     timm ResNet fixed by ``ModuleValidator.fix`` (GroupNorm), 40 binary attributes,
     ``BCEWithLogitsLoss(reduction="none")`` summed over the attributes (``.sum(dim=1)``: each
     image's loss) and averaged over the mini-batch, fastDP's ``PrivacyEngine`` on Adam with its
-    automatic clipping, ``virtual_step()`` over ``bs // mini_bs`` mini-batches, and with
-    ``--clipping_mode BiTFiT`` every weight but the biases frozen. Here
+    automatic clipping, ``virtual_step()`` over ``bs // mini_bs`` mini-batches, with
+    ``--clipping_mode BK-MixOpt`` (book-keeping) or ``BK-ghost`` (ghost clipping:
+    ``method="ghost"`` here), and with ``--clipping_mode BiTFiT`` every weight but the biases
+    frozen. Here
     ``gradhooks.DPOptimizer(clipping="automatic")`` takes the engine's place: the per-attribute
     losses ``[batch, 5]`` handed to it are refused (one loss per example), their sum over the
     attributes is each image's. After each of 2 logical steps of 2 mini-batches ``.grad``,
@@ -630,7 +633,7 @@ def test_fastdp_celeba_multi_label_bce_summed_over_attributes_with_accumulation(
     with gradhooks.add_hooks(net, quantities=("norms",)) as h:
         dp = gradhooks.DPOptimizer(
             opt, h, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=BS,
-            clipping="automatic", generator=noise,
+            clipping="automatic", generator=noise, method="ghost" if mode == "BK-ghost" else None,
         )  # fmt: skip
         for step in range(2):
             inputs = torch.rand(BS, 3, 6, 6, generator=g, dtype=D)
