@@ -1636,3 +1636,87 @@ def test_domainbed_and_mask_environment_gradients_as_means_of_grad1_rows():
             opt.step()
             assert_all(dict(network.named_parameters()), dict(twin.named_parameters()),
                        f"step {step}: the weights")  # fmt: skip
+
+
+# -- EleutherAI/gpt-neox: the gradient noise scale, B_small of one example ----------------------
+
+
+def ema(avg, beta, yi, i):
+    """``megatron/gradient_noise_scale/gradient_noise_scale.py``'s ``ema``: the running
+    average and its bias-corrected value."""
+    avg = beta * (0 if avg is None else avg) + (1 - beta) * yi
+    return avg, avg / (1 - beta ** (i + 1))
+
+
+class GradientNoiseScale:
+    """gpt-neox's ``GradientNoiseScale._update`` given ``|G_small|²`` and ``|G_big|²``: the
+    unbiased estimates of ``|G|²`` (the script's ``noise``) and ``tr(Σ)`` (its ``scale``),
+    their bias-corrected running averages, and ``B_simple = scale / noise``."""
+
+    def __init__(self, small: int, big: int, beta: float = 0.99):
+        self.small, self.big, self.beta = small, big, beta
+        self.ema_noise = self.ema_scale = self.noise_scale = None
+        self.n_updates = 0
+
+    def update(self, g_small: float, g_big: float) -> None:
+        noise = (self.big * g_big - self.small * g_small) / (self.big - self.small)
+        scale = (g_small - g_big) / (1 / self.small - 1 / self.big)
+        self.ema_noise, noise = ema(self.ema_noise, self.beta, noise, self.n_updates)
+        self.ema_scale, scale = ema(self.ema_scale, self.beta, scale, self.n_updates)
+        self.noise_scale = scale / noise
+        self.n_updates += 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bf16"])
+def test_gpt_neox_gradient_noise_scale_with_per_example_norms_as_the_small_batch(dtype):
+    """EleutherAI/gpt-neox ``megatron/gradient_noise_scale/gradient_noise_scale.py``: McCandlish
+    et al.'s ``B_simple`` from the squared norms of a small batch's gradient and a big one's
+    (the script: one micro-batch, and ``n_batches`` of them averaged), each estimate
+    bias-corrected and averaged over updates (``beta=0.99``). With the model hooked for
+    ``norms``, the small batches are the examples themselves: ``|G_small|²`` the mean of the
+    squared per-example norms (``h.norms()``), ``|G_big|²`` that of the batch's gradient,
+    ``B_small = 1``, ``B_big`` the batch. On Hugging Face's ``GPTNeoXForCausalLM`` (the
+    library's model, rotary and parallel residual) trained by AdamW over 3 steps, the norms
+    are the float64 loop's (within bfloat16's rounding under ``torch.autocast``, where the
+    batch's gradient is torch's own in float32), and in float64 the noise scale is the one of
+    the loop's norms."""
+    config = hf("GPTNeoXConfig")(
+        hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16,
+        vocab_size=20, max_position_embeddings=16, attention_dropout=0.0, hidden_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    param_dtype = D if dtype == D else torch.float32
+    model = hf("GPTNeoXForCausalLM")(config).to(param_dtype)
+    twin = copy.deepcopy(model).to(D)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    B = 4
+    ours, theirs = GradientNoiseScale(1, B), GradientNoiseScale(1, B)
+    g = torch.Generator().manual_seed(26)
+
+    def loss_of(m, ids):
+        return m(input_ids=ids, labels=ids).loss
+
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        for _ in range(3):
+            ids = torch.randint(20, (B, 6), generator=g)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != D):
+                loss = loss_of(model, ids)
+            loss.backward()
+            norms = h.norms().to(D)
+            g_big = sum(p.grad.to(D).pow(2).sum() for p in model.parameters())
+            ours.update(float(norms.pow(2).mean()), float(g_big))
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+                    q.copy_(p)
+            per = flat(loop(twin, lambda i: loss_of(twin, i), ids))
+            want_big = per.mean(0).pow(2).sum()
+            theirs.update(float(per.norm(dim=1).pow(2).mean()), float(want_big))
+            if dtype == D:
+                torch.testing.assert_close(norms, per.norm(dim=1), rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(g_big, want_big, rtol=1e-10, atol=1e-12)
+                assert ours.noise_scale == pytest.approx(theirs.noise_scale, rel=1e-8)
+            else:
+                torch.testing.assert_close(norms, per.norm(dim=1), rtol=3e-2, atol=1e-3)
+                torch.testing.assert_close(g_big, want_big, rtol=3e-2, atol=1e-3)
+            opt.step()
