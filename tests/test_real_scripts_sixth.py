@@ -1524,10 +1524,11 @@ def test_dpsat_gradient_at_the_weights_moved_by_the_last_private_gradient():
     step's noised gradient, at no privacy cost), the cross-entropy at the moved weights
     backpropagated through the privacy engine, ``minimizer.descent_step()`` (the noised
     gradient, the weights moved back, SGD's step). With ``DPOptimizer`` over SGD and
-    gradhooks' ``PoissonSampler``, for 3 steps the gradient SGD steps on, the noise taken off,
-    is the float64 loop's clipped sum at the moved weights, and the weights are those of the
-    script's update on that gradient from the weights before the move."""
-    C, SIGMA, N, E, RHO = 1.0, 1.0, 12, 4, 0.05
+    gradhooks' ``PoissonSampler``, for 5 steps (batches of 0 to 3 examples: the empty one a
+    step on the noise alone) the gradient SGD steps on, the noise taken off, is the float64
+    loop's clipped sum at the moved weights, and the weights are those of the script's update
+    on that gradient from the weights before the move."""
+    C, SIGMA, N, E, RHO = 1.0, 1.0, 12, 1.5, 0.05
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(D)
     twin = copy.deepcopy(model)
@@ -1538,7 +1539,8 @@ def test_dpsat_gradient_at_the_weights_moved_by_the_last_private_gradient():
     seen = []
     inner.register_step_pre_hook(lambda *_: seen.append(grads_of(model)))
     noise = torch.Generator().manual_seed(23)
-    sampler = gradhooks.PoissonSampler(N, E, steps=3, generator=torch.Generator().manual_seed(24))
+    sampler = gradhooks.PoissonSampler(N, E, steps=5, generator=torch.Generator().manual_seed(24))
+    sizes = []
     prev = None
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
         dp = gradhooks.DPOptimizer(inner, h, max_grad_norm=C, noise_multiplier=SIGMA,
@@ -1560,8 +1562,12 @@ def test_dpsat_gradient_at_the_weights_moved_by_the_last_private_gradient():
                     moves = [t * (RHO / (norm + 1e-16)) for t in prev]
                 for p, m in zip(params, moves):
                     p.add_(m)
-            per = loop(twin, lambda a, b: F.cross_entropy(twin(a), b), x[idx], y[idx])
-            want = clipped_sum(per, C)
+            sizes.append(len(idx))
+            if idx:
+                per = loop(twin, lambda a, b: F.cross_entropy(twin(a), b), x[idx], y[idx])
+                want = clipped_sum(per, C)
+            else:  # (no example: the step's gradient is the noise alone)
+                want = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
             again = torch.Generator().set_state(state)
             got = {n: t * E - SIGMA * C * torch.randn(t.shape, generator=again, dtype=D)
                    for n, t in seen[-1].items()}  # fmt: skip
@@ -1576,7 +1582,7 @@ def test_dpsat_gradient_at_the_weights_moved_by_the_last_private_gradient():
             ref_opt.step()
             assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
                        f"step {step}: the weights")  # fmt: skip
-    assert len(seen) == 3
+    assert len(seen) == 5 and 0 in sizes and max(sizes) > 1
 
 
 # -- facebookresearch/DomainBed ANDMask: each environment's gradient from the examples' rows -----
