@@ -38,7 +38,13 @@ from test_real_scripts_fifth import assert_all, clipped_sum, denoised, flat, fol
 from torch import nn
 
 import gradhooks
-from harness import hf, one_thread, tiny_bert_config  # noqa: F401 (one_thread: autouse)
+from harness import (  # noqa: F401 (one_thread: autouse)
+    assert_untouched,
+    hf,
+    model_state,
+    one_thread,
+    tiny_bert_config,
+)
 
 D = torch.float64
 
@@ -1216,14 +1222,15 @@ class GSSGreedy(nn.Module):
     scores. (``outcome.squeeze(1).byte()`` indexes as ``.bool()``: a uint8 mask no longer
     indexes in torch.)"""
 
-    def __init__(self, n_memories: int = 3, buffer: int = 6, rn: int = 2, sim_th: float = 2.0):
+    def __init__(self, net=None, n_memories: int = 3, buffer: int = 6, rn: int = 2,
+                 sim_th: float = 2.0):  # fmt: skip
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+        self.net = net or nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
         self.ce = nn.CrossEntropyLoss()
         self.opt = torch.optim.SGD(self.parameters(), 0.1)
         self.n_memories, self.n_sampled_memories, self.n_constraints = n_memories, buffer, 3
         self.rn, self.sim_th = rn, sim_th
-        self.memory_data = torch.zeros(n_memories, 4, dtype=D)
+        self.memory_data = None
         self.memory_labs = torch.zeros(n_memories, dtype=torch.long)
         self.sampled_memory_data = self.sampled_memory_labs = self.sampled_memory_cos = None
         self.grad_dims = [p.numel() for p in self.parameters()]
@@ -1240,21 +1247,24 @@ class GSSGreedy(nn.Module):
     def cosine_similarity(x1, x2):
         return x1 @ x2.T / (x1.norm(dim=1, keepdim=True) * x2.norm(dim=1, keepdim=True).T)
 
+    def train_step(self, x, y):
+        self.zero_grad()
+        self.ce(self(x), y).backward()
+        self.opt.step()
+
     def observe(self, x, y):
+        if self.memory_data is None:
+            self.memory_data = torch.zeros(self.n_memories, *x.shape[1:], dtype=D)
         self.memory_data[self.mem_cnt : self.mem_cnt + len(y)] = x
         self.memory_labs[self.mem_cnt : self.mem_cnt + len(y)] = y
         self.mem_cnt += len(y)
         if self.sampled_memory_data is not None:
             shuffled = torch.randperm(self.sampled_memory_labs.size(0))
             effective = min(self.n_constraints, self.sampled_memory_labs.size(0))
-        self.zero_grad()
-        self.ce(self(x), y).backward()
-        self.opt.step()
+        self.train_step(x, y)
         if self.sampled_memory_data is not None:
             idx = shuffled[:effective]
-            self.zero_grad()
-            self.ce(self(self.sampled_memory_data[idx]), self.sampled_memory_labs[idx]).backward()
-            self.opt.step()
+            self.train_step(self.sampled_memory_data[idx], self.sampled_memory_labs[idx])
         if self.mem_cnt < self.n_memories:
             return
         self.eval()
@@ -1321,8 +1331,8 @@ class GSSGreedyByGrad1(GSSGreedy):
     """The same, each sample's gradient taken from ``grad1`` of one backward of the memory
     (the model hooked once, at its construction)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, net=None):
+        super().__init__(net)
         self.hooks = gradhooks.add_hooks(self.net)
 
     def get_each_batch_sample_sim(self):
@@ -1754,3 +1764,67 @@ def test_a_batch_asked_for_before_the_last_ones_step_is_refused_naming_the_read_
     private.close()
     assert private.steps_taken == 0
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+
+
+class TinyResNet18(nn.Module):
+    """GSS' ``model/common.py`` ``ResNet18`` (the CIFAR-10 runs) in miniature: a stem and one
+    ``BasicBlock``, each convolution followed by batch norm, and a linear head."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.b_conv1, self.b_bn1 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.b_conv2, self.b_bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.linear = nn.Linear(4, classes)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(out + self.b_bn2(self.b_conv2(F.relu(self.b_bn1(self.b_conv1(out))))))
+        return self.linear(F.adaptive_avg_pool2d(out, 1).flatten(1))
+
+
+class GSSGreedyTrainingPaused(GSSGreedyByGrad1):
+    """The hooked model's training steps under ``hooks.paused()``: their batch norms normalize
+    with the batch's statistics, and they need no per-example gradient."""
+
+    def train_step(self, x, y):
+        with self.hooks.paused():
+            super().train_step(x, y)
+
+
+def test_gss_greedy_on_a_batch_norm_resnet_scores_in_eval_mode_training_paused():
+    """GSS-Greedy as its CIFAR-10 runs use it, on ``ResNet18`` with batch norm: the training
+    steps in train mode, the scoring after ``self.eval()``. Hooked once at construction, the
+    first training step is refused at the first batch norm (``MixedExamplesError``), the
+    message naming ``hooks.paused()`` for a step that needs no per-example gradient, and the
+    model is left as it was; with the training steps under ``hooks.paused()`` the scores (in
+    eval mode, from ``grad1``), the buffer, the weights and the running statistics over 4
+    received batches are the script's own, from the same seed."""
+    g = torch.Generator().manual_seed(27)
+    batches = [(torch.randn(3, 3, 4, 4, generator=g, dtype=D), torch.randint(3, (3,), generator=g))
+               for _ in range(4)]  # fmt: skip
+    torch.manual_seed(0)
+    refused = GSSGreedyByGrad1(TinyResNet18()).to(D)
+    before = model_state(refused)
+    stats = {n: b.clone() for n, b in refused.named_buffers()}
+    with pytest.raises(gradhooks.MixedExamplesError, match=r"hooks\.paused\(\).*training step"):
+        refused.observe(*batches[0])
+    assert_untouched(refused, before)
+    assert all(torch.equal(stats[n], b) for n, b in refused.named_buffers())
+    refused.hooks.remove()
+    runs = []
+    for kind in (GSSGreedy, GSSGreedyTrainingPaused):
+        torch.manual_seed(0)
+        model = kind(TinyResNet18()).to(D)
+        for x, y in batches:
+            model.observe(x, y)
+        runs.append(model)
+    script, hooked = runs
+    assert len(hooked.scores) == len(script.scores) == 3
+    for k, (got, want) in enumerate(zip(hooked.scores, script.scores)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"scores {k}")
+    assert torch.equal(hooked.sampled_memory_labs, script.sampled_memory_labs)
+    torch.testing.assert_close(hooked.sampled_memory_cos, script.sampled_memory_cos)
+    assert_all(dict(hooked.named_parameters()), dict(script.named_parameters()), "the weights")
+    assert_all(dict(hooked.named_buffers()), dict(script.named_buffers()), "the running stats")
+    hooked.hooks.remove()
