@@ -50,8 +50,10 @@ def refuse_batch_statistics(module: nn.Module, name: str) -> None:
         "(model = gradhooks.convert_batch_norm(model) replaces every batch norm so, as "
         "Opacus' ModuleValidator.fix does), or put it in eval mode (model.eval(), or "
         "module.eval() on the batch-norm layers) so that it uses its running statistics. A "
-        "forward that only refreshes the running statistics, with no backward, can run "
-        "under torch.no_grad() or hooks.paused()."
+        "forward that needs no per-example gradient can run under hooks.paused(): one that "
+        "only refreshes the running statistics (or under torch.no_grad(), with no backward), "
+        "or a plain training step of a model hooked for per-example gradients it takes in "
+        "eval mode elsewhere."
     )
 
 

@@ -910,9 +910,14 @@ class PrivateTraining:
                     )
                 if self._current is not None and not self._current.stepped:
                     raise StateError(
-                        "private.batches(): the last physical batch was not followed by "
-                        "private.backward(losses) and private.step(); call both for every "
-                        "batch (step() only steps at a logical batch's end)"
+                        "private.batches(): the next batch was asked for before "
+                        "private.backward(losses) and private.step() on the last one; call both "
+                        "for every batch before taking the next (step() only steps at a logical "
+                        "batch's end). A loop that reads a batch ahead (PyTorch Lightning's fit "
+                        "loop fetches the next batch before the training step of this one) "
+                        "cannot take private.batches() as its loader: take each batch inside "
+                        "the step (Lightning: def training_step(self, dataloader_iter): batch, "
+                        "batch_idx, _ = next(dataloader_iter))"
                     )
         finally:
             if loop == self._loops:
