@@ -763,10 +763,15 @@ def test_flower_opacus_clients_make_private_each_round_and_fedavg_of_their_weigh
                   max_grad_norm=C)  # fmt: skip
     private = gradhooks.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), parts[0],
                                      **kwargs)  # fmt: skip
-    with pytest.raises(gradhooks.StateError, match="already has gradhooks hooks"):
+    with pytest.raises(gradhooks.StateError, match="make_private run that was not closed") as info:
         gradhooks.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), parts[0],
                                **kwargs)  # fmt: skip
+    assert "call close() on that run" in str(info.value)
+    assert gradhooks.hooks_of(model) is private.hooks  # (the first run's, untouched)
     private.close()
+    again = gradhooks.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), parts[0],
+                                   **kwargs)  # fmt: skip
+    again.close()
 
 
 # -- dayu11/individual_privacy_of_DPSGD: each example's privacy from its gradient norms ---------

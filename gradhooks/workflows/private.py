@@ -763,6 +763,14 @@ def changed_setting(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     return next((k for k in now if saved.get(k) != now[k]), None)
 
 
+# the make_private run training each model (both held weakly)
+_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _gone() -> None:
+    return None
+
+
 class PrivateTraining:
     """A DP-SGD training run that owns its whole mechanism; made by :func:`make_private`.
 
@@ -843,6 +851,14 @@ class PrivateTraining:
         device = next(p.device for p in model.parameters())
         self._batch_generator = torch.Generator().manual_seed(seeds[0])
         noise = torch.Generator(device=device).manual_seed(seeds[1])
+        running = _RUNS.get(model, _gone)()
+        if running is not None and not running._closed and running.hooks.active:
+            raise StateError(
+                f"{type(model).__qualname__} is already trained by a gradhooks.make_private run "
+                "that was not closed (its hooks clip every gradient): call close() on that run "
+                "(or use it as a context manager, with gradhooks.make_private(...) as private:) "
+                "before starting another. Nothing was changed."
+            )
         self.hooks = add_hooks(model, quantities=("norms",))
         try:
             self.optimizer: DPOptimizer = _OwnedDPOptimizer(
@@ -862,6 +878,7 @@ class PrivateTraining:
         self._current: _Physical | None = None
         self._loops = 0  # loops over batches() started
         self._closed = False
+        _RUNS[model] = weakref.ref(self)
 
     # -- the loop ------------------------------------------------------------------------------
 
