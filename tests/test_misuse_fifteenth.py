@@ -12,9 +12,12 @@ and never reset, then a shorter last batch (its message now says that an optimiz
 ``add_hooks(unsupported="error")`` (its message said that nothing was hooked); a loss made to
 require grad after a forward run without grad (the anti-fix of torch's "does not require grad"
 error); features computed under ``inference_mode`` fed to a hooked head; a batch of one given
-to a model whose loss is ``F.cross_entropy(out.squeeze(), y)``; and ``grad1`` read after a
-validation forward of a batch of another size. Each gives the documented meaning, compared in
-float64 with each example's own gradient by the per-example loop
+to a model whose loss is ``F.cross_entropy(out.squeeze(), y)``; ``grad1`` read after a
+validation forward of a batch of another size; the DP step of a model run through
+``functional_call`` with its parameters cast to bfloat16, and of a layer unfrozen between the
+forward and the step (both refused with a message that said the parameters had no rule,
+hooked with ``unsupported='skip'``; it now says what they are). Each gives the documented
+meaning, compared in float64 with each example's own gradient by the per-example loop
 (:func:`gradhooks.oracle.loop_grad`), or stops with the typed error of its kind, whose message
 names the module or the parameter, the shapes and the remedy, leaving the parameters,
 ``.grad``, ``grad1`` and the hooks as they were (``tests/test_misuse.py`` to
@@ -349,3 +352,82 @@ def test_grad1_read_after_a_validation_forward_of_another_batch_size():
             model(_batch(11, n=5)[0])  # (grad on, never backpropagated)
             _assert_loop(model, want, f"step {step}")
             optimizer.step()
+
+
+def test_a_dp_step_of_a_model_run_through_functional_call_with_bfloat16_casts():
+    """A mixed-precision policy written by hand, ``functional_call(model, {n: p.to(bf16)})``,
+    given to the DP step: with norms, the forward is refused (a ``ConfigurationError``: the
+    slots hold tensors computed from the parameters); with ``grad1``, the step is refused
+    with an ``UnsupportedError`` that now names the parameters and ``functional_call`` (it
+    said they had no rule, hooked with ``unsupported='skip'``, which they were not), leaving
+    them without ``.grad``. The forward under ``torch.autocast`` in bfloat16, as advised, steps
+    the loop's clipped sum within bfloat16's rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = _batch(0)
+    x = x.float()
+    low = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+
+    def losses():
+        out = functional_call(model, low, (x.bfloat16(),))
+        return F.cross_entropy(out.float(), y, reduction="none")
+
+    with gradhooks.add_hooks(model, quantities=("norms",)):
+        raised(gradhooks.ConfigurationError, ["'0.weight'", "functional_call"], losses)
+    with gradhooks.add_hooks(model, quantities=("grad1",)) as h:
+        per = losses()
+        before = model_state(model)
+        raised(
+            gradhooks.UnsupportedError,
+            ["['0.weight', '0.bias', '2.weight', '2.bias']", "functional_call",
+             "torch.autocast", "Nothing was changed"],
+            lambda: gradhooks.dp_sgd_step(h, per, max_norm=0.1, noise_multiplier=0.0),
+        )  # fmt: skip
+        assert_untouched(model, before)
+        loop = loop_grad(copy.deepcopy(model).double(), F.cross_entropy, x.double(), y)
+        norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+        factor = (0.1 / norms).clamp(max=1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        per = F.cross_entropy(out.float(), y, reduction="none")
+        gradhooks.dp_sgd_step(h, per, max_norm=0.1, noise_multiplier=0.0)
+        for n, p in model.named_parameters():
+            want = torch.einsum("b,b...->...", factor, loop[n]) / len(x)
+            err = (p.grad.double() - want).abs().max().item()
+            assert err <= 5e-2 * want.abs().max().item(), (n, err)
+
+
+class _Scaled(nn.Sequential):
+    """Linear, a learned per-feature scale (no rule: the fallback's), Linear."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(nn.Linear(4, 8), Scale(), nn.Linear(8, 3))
+        self.to(D)
+
+
+def test_a_layer_unfrozen_between_the_forward_and_the_dp_step_is_refused_saying_so():
+    """The scale frozen at the forward, unfrozen before the DP step: the step has no
+    per-example gradient of it, and refuses, naming it and that it was frozen at the forward
+    (the message said it had no rule, hooked with ``unsupported='skip'``); nothing written. A
+    forward with it trainable steps the loop's clipped sum."""
+    model = _Scaled()
+    model[1].requires_grad_(False)
+    x, y = _batch(0)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        per = F.cross_entropy(model(x), y, reduction="none")
+        model[1].requires_grad_(True)
+        before = model_state(model)
+        raised(
+            gradhooks.UnsupportedError,
+            ["['1.s']", "frozen then", "Nothing was changed"],
+            lambda: gradhooks.dp_sgd_step(h, per, max_norm=0.1, noise_multiplier=0.0),
+        )
+        assert_untouched(model, before)
+        loop = loop_grad(copy.deepcopy(model), F.cross_entropy, x, y)
+        norms = torch.cat([g.flatten(1) for g in loop.values()], 1).norm(dim=1)
+        factor = (0.1 / norms).clamp(max=1.0)
+        per = F.cross_entropy(model(x), y, reduction="none")
+        gradhooks.dp_sgd_step(h, per, max_norm=0.1, noise_multiplier=0.0)
+        for n, p in model.named_parameters():
+            assert_close(p.grad, torch.einsum("b,b...->...", factor, loop[n]) / len(x), n)
