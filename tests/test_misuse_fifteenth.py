@@ -4,7 +4,8 @@ A module's full backward hook or backward pre-hook registered after ``add_hooks`
 the gradient otherwise than by a factor (the batch's mean subtracted, each entry clamped; found
 and fixed: such a hook, registered after ``add_hooks``, was not checked, and ``grad1`` of the
 layers before it held the examples mixed, in silence, where one registered before was refused;
-the refusal, either way, left the ``.grad`` of the layers the backward had reached written);
+the refusal, either way, left the ``.grad`` of the layers the backward had reached written),
+also on a model compiled after ``add_hooks``;
 ``torch.func.functional_call`` given detached copies of the parameters, or a parameter dict
 made before the head was replaced; an optimizer over the head alone, the body left trainable
 and never reset, then a shorter last batch (its message now says that an optimizer's
@@ -431,3 +432,34 @@ def test_a_layer_unfrozen_between_the_forward_and_the_dp_step_is_refused_saying_
         gradhooks.dp_sgd_step(h, per, max_norm=0.1, noise_multiplier=0.0)
         for n, p in model.named_parameters():
             assert_close(p.grad, torch.einsum("b,b...->...", factor, loop[n]) / len(x), n)
+
+
+def test_a_compiled_models_layer_given_backward_hooks_after_add_hooks_and_compilation():
+    """``torch.compile(model)`` after ``add_hooks``; between steps a gradient reversal is
+    registered on its second layer (followed: ``grad1`` is the loop's with the same hook),
+    then replaced by one that subtracts the batch's mean (refused at the backward, naming the
+    layer, leaving ``.grad`` as ``zero_grad`` left it)."""
+    model = _net()
+    with gradhooks.add_hooks(model):
+        compiled = torch.compile(model)
+        handle = None
+        for step in range(4):
+            if step == 1:
+                handle = model[2].register_full_backward_hook(lambda m, gi, go: (-0.5 * gi[0],))
+            if step == 3:
+                handle.remove()
+                model[2].register_full_backward_hook(_mean_out)
+            x, y = _batch(step)
+            want = loop_grad(copy.deepcopy(model), F.cross_entropy, x, y)
+            model.zero_grad()
+            out = compiled(x)
+            if step < 3:
+                F.cross_entropy(out, y).backward()
+                _assert_loop(model, want, f"step {step}")
+                continue
+            raised(
+                gradhooks.UnsupportedError,
+                ["a full backward hook of yours on '2' (Linear)", "otherwise than by a factor"],
+                lambda out=out, y=y: F.cross_entropy(out, y).backward(),
+            )
+            assert all(p.grad is None for p in model.parameters())
