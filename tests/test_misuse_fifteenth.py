@@ -5,7 +5,8 @@ the gradient otherwise than by a factor (the batch's mean subtracted, each entry
 and fixed: such a hook, registered after ``add_hooks``, was not checked, and ``grad1`` of the
 layers before it held the examples mixed, in silence, where one registered before was refused;
 the refusal, either way, left the ``.grad`` of the layers the backward had reached written),
-also on a model compiled after ``add_hooks``;
+also on a model compiled after ``add_hooks``, and in the DP step of each method (which clipped
+and stepped the mixed gradients);
 ``torch.func.functional_call`` given detached copies of the parameters, or a parameter dict
 made before the head was replaced; an optimizer over the head alone, the body left trainable
 and never reset, then a shorter last batch (its message now says that an optimizer's
@@ -463,3 +464,35 @@ def test_a_compiled_models_layer_given_backward_hooks_after_add_hooks_and_compil
                 lambda out=out, y=y: F.cross_entropy(out, y).backward(),
             )
             assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost", "bookkeeping"])
+def test_the_dp_step_through_a_hook_registered_after_add_hooks_that_mixes_the_examples(method):
+    """The DP step of each method with a full backward hook that subtracts the batch's mean,
+    registered on the second layer after ``add_hooks``: each example's clipped gradient held
+    the others', in silence (the first layer's clipped sum up to 0.004 where the loop's, with
+    the same hook, is zero, the rows' norms taking the others' in: no bound on what one
+    example changes). Refused now, as where the hook was
+    registered before, writing no ``.grad``; with a gradient reversal instead, the step is the
+    loop's clipped sum."""
+    for hook in (_mean_out, lambda m, gi, go: (-0.5 * gi[0],)):
+        model = _net()
+        quantity = "grad1" if method == "grad1" else "norms"
+        with gradhooks.add_hooks(model, quantities=(quantity,)) as h:
+            model[2].register_full_backward_hook(hook)
+            x, y = _batch(0)
+            per = loop_grad(copy.deepcopy(model), F.cross_entropy, x, y)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+
+            def step(h=h, losses=losses):
+                gradhooks.dp_sgd_step(h, losses, max_norm=0.1, noise_multiplier=0.0, method=method)
+
+            if hook is _mean_out:
+                raised(gradhooks.UnsupportedError, "'2' (Linear)", step)
+                assert all(p.grad is None for p in model.parameters())
+                continue
+            step()
+            norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+            factor = (0.1 / norms).clamp(max=1.0)
+            for n, p in model.named_parameters():
+                assert_close(p.grad, torch.einsum("b,b...->...", factor, per[n]) / len(x), n)
