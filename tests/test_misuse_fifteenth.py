@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 import gradhooks
 from gradhooks.oracle import loop_grad
@@ -496,3 +497,80 @@ def test_the_dp_step_through_a_hook_registered_after_add_hooks_that_mixes_the_ex
             factor = (0.1 / norms).clamp(max=1.0)
             for n, p in model.named_parameters():
                 assert_close(p.grad, torch.einsum("b,b...->...", factor, per[n]) / len(x), n)
+
+
+class _Hyper(nn.Module):
+    """A layer run by ``functional_call`` inside a checkpointed function, with a weight made
+    before it from the layer's own (``1.5 * weight``, a hypernetwork's scale)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.reentrant = nn.Linear(4, 8), nn.Linear(8, 3), reentrant
+        self.to(D)
+
+    def forward(self, x):
+        made = {"weight": 1.5 * self.a.weight, "bias": self.a.bias}
+
+        def block(t):
+            return torch.tanh(functional_call(self.a, made, (t,)))
+
+        return self.b(checkpoint(block, x, use_reentrant=self.reentrant))
+
+
+def test_weights_made_before_a_reentrant_checkpoint_and_swapped_in_inside_it():
+    """Reentrant checkpointing runs the layer again in the backward, with ``1.5 * weight`` in
+    its slot: its per-example gradient of that tensor was written as the weight's own, 1.5
+    times too small (``grad1.mean(0)`` off ``.grad``), in silence. Refused now at that
+    recomputation, with an ``UnsupportedError`` naming the layer, the slot, the parameter
+    and the remedies, the model's gradients as they were; non-reentrant checkpointing, the
+    first remedy, gives the loop's."""
+    model = _Hyper(reentrant=True)
+    x, y = _batch(0)
+    x.requires_grad_(True)  # (for the reentrant form to recompute)
+    with gradhooks.add_hooks(model):
+        out = model(x)
+        before = model_state(model)
+        raised(
+            gradhooks.UnsupportedError,
+            ["'a' (Linear)", "its 'weight'", "'a.weight'", "use_reentrant=False"],
+            lambda: F.cross_entropy(out, y).backward(),
+        )
+        assert_untouched(model, before)
+        model.reentrant = False
+        want = loop_grad(copy.deepcopy(model), F.cross_entropy, x, y)
+        F.cross_entropy(model(x), y).backward()
+        _assert_loop(model, want, "non-reentrant")
+
+
+class _NormedBlock(nn.Module):
+    """A ``weight_norm`` parametrized layer inside a reentrant checkpoint, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+        torch.nn.utils.parametrizations.weight_norm(self.a)
+        self.to(D)
+
+    def forward(self, x):
+        return self.b(checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=True))
+
+
+def test_a_refused_recomputation_leaves_the_gradients_of_the_layers_after_it():
+    """A parametrization run again in the backward by reentrant checkpointing is refused (a
+    ``BatchNotFoundError`` naming it and ``use_reentrant=False``), as before; the head, which
+    the backward reached first, kept the ``.grad`` and ``grad1`` of the refused backward. Now
+    nothing of it is left."""
+    model = _NormedBlock()
+    x, y = _batch(0)
+    x.requires_grad_(True)
+    with gradhooks.add_hooks(model):
+        out = model(x)
+        before = model_state(model)
+        raised(
+            gradhooks.BatchNotFoundError,
+            ["'a.parametrizations.weight'", "use_reentrant=False"],
+            lambda: F.cross_entropy(out, y).backward(),
+        )
+        assert_untouched(model, before)
