@@ -1,28 +1,30 @@
 """Mistakes in a training loop, a fifteenth set: hooks, swaps and resets the loop gets wrong.
 
-A module's full backward hook or backward pre-hook registered after ``add_hooks`` that changes
-the gradient otherwise than by a factor (the batch's mean subtracted, each entry clamped; found
-and fixed: such a hook, registered after ``add_hooks``, was not checked, and ``grad1`` of the
-layers before it held the examples mixed, in silence, where one registered before was refused;
-the refusal, either way, left the ``.grad`` of the layers the backward had reached written),
-also on a model compiled after ``add_hooks``, and in the DP step of each method (which clipped
-and stepped the mixed gradients);
-``torch.func.functional_call`` given detached copies of the parameters, or a parameter dict
-made before the head was replaced; an optimizer over the head alone, the body left trainable
-and never reset, then a shorter last batch (its message now says that an optimizer's
+A module's full backward hook or backward pre-hook registered after ``add_hooks`` that changes the
+gradient otherwise than by a factor (the batch's mean subtracted, each entry clamped; found and
+fixed: such a hook, registered after ``add_hooks``, was not checked, and ``grad1`` of the layers
+before it held the examples mixed, in silence, where one registered before was refused; the
+refusal, either way, left the ``.grad`` of the layers the backward had reached written), also on a
+model compiled after ``add_hooks``, and in the DP step of each method (which clipped and stepped
+the mixed gradients); ``torch.func.functional_call`` given detached copies of the parameters, or a
+parameter dict made before the head was replaced; an optimizer over the head alone, the body left
+trainable and never reset, then a shorter last batch (its message now says that an optimizer's
 ``zero_grad`` resets only what it holds); a module without a rule swapped in after
 ``add_hooks(unsupported="error")`` (its message said that nothing was hooked); a loss made to
 require grad after a forward run without grad (the anti-fix of torch's "does not require grad"
-error); features computed under ``inference_mode`` fed to a hooked head; a batch of one given
-to a model whose loss is ``F.cross_entropy(out.squeeze(), y)``; ``grad1`` read after a
-validation forward of a batch of another size; the DP step of a model run through
-``functional_call`` with its parameters cast to bfloat16, and of a layer unfrozen between the
-forward and the step (both refused with a message that said the parameters had no rule,
-hooked with ``unsupported='skip'``; it now says what they are). Each gives the documented
-meaning, compared in float64 with each example's own gradient by the per-example loop
+error); features computed under ``inference_mode`` fed to a hooked head; a batch of one given to a
+model whose loss is ``F.cross_entropy(out.squeeze(), y)``; ``grad1`` read after a validation
+forward of a batch of another size; the DP step of a model run through ``functional_call`` with its
+parameters cast to bfloat16, and of a layer unfrozen between the forward and the step (both refused
+with a message that said the parameters had no rule, hooked with ``unsupported='skip'``; it now
+says what they are); a layer given by ``functional_call``, inside a reentrant checkpoint, a weight
+made before it (found and fixed: the recomputation's per-example gradient of that tensor was
+written as the parameter's own, in silence; now refused), and a refused recomputation (which left
+the ``.grad`` of the layers the backward reached first). Each gives the documented meaning,
+compared in float64 with each example's own gradient by the per-example loop
 (:func:`gradhooks.oracle.loop_grad`), or stops with the typed error of its kind, whose message
-names the module or the parameter, the shapes and the remedy, leaving the parameters,
-``.grad``, ``grad1`` and the hooks as they were (``tests/test_misuse.py`` to
+names the module or the parameter, the shapes and the remedy, leaving the parameters, ``.grad``,
+``grad1`` and the hooks as they were (``tests/test_misuse.py`` to
 ``tests/test_misuse_fourteenth.py`` hold the earlier sets).
 """
 
