@@ -1116,13 +1116,14 @@ def user_backward_hooks(modules: Any, params: Any, own: int = 0) -> bool:
     return any(len(p._backward_hooks or ()) > own or p._post_accumulate_grad_hooks for p in params)
 
 
-def module_backward_hooks(m: nn.Module) -> tuple[int, int]:
-    """How many full backward hooks (``register_full_backward_hook``; not the old
-    ``register_backward_hook``, which cannot share a module with them) and backward pre-hooks
-    ``m`` holds itself (``_backward_hooks``, ``_is_full_backward_hook``,
+def module_backward_hooks(m: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids of the full backward hooks (``register_full_backward_hook``; not the old
+    ``register_backward_hook``, which cannot share a module with them) and of the backward
+    pre-hooks ``m`` holds itself, in the order they run (their handles' ids, which grow with
+    each hook registered: ``_backward_hooks``, ``_is_full_backward_hook``,
     ``_backward_pre_hooks``). Required (:func:`require`)."""
-    full = len(m._backward_hooks or ()) if m._is_full_backward_hook else 0
-    return full, len(m._backward_pre_hooks or ())
+    full = tuple(m._backward_hooks or ()) if m._is_full_backward_hook else ()
+    return full, tuple(m._backward_pre_hooks or ())
 
 
 def accumulate_hooks(p: Tensor) -> int:

@@ -1305,6 +1305,11 @@ class BackwardWriter:
         if self.state.collector is not None:
             self.state.collector.discard_backward()
 
+    def abort(self) -> None:
+        """A refusal raised by a hook of gradhooks' outside this writer (around a module's
+        backward hook of the user's): the backward fails; leave nothing of it behind."""
+        self._abort_backward()
+
     def _abort_backward(self) -> None:
         """A hook of ours raised: the backward fails; leave nothing of it behind."""
         bw = self.state.tasks.pop(graph_task(), None)
@@ -1354,7 +1359,10 @@ class BackwardWriter:
                     "alone and read grad1 after each. Micro-batches accumulated into one step "
                     "must have the same size: a data loader's shorter last batch breaks that "
                     "(DataLoader(..., drop_last=True); Hugging Face's Trainer: "
-                    "dataloader_drop_last=True)."
+                    "dataloader_drop_last=True). Not accumulating? Then its .grad was not reset "
+                    "since the last step either: an optimizer's zero_grad() resets only the "
+                    "parameters it holds (model.zero_grad() resets them all; "
+                    "requires_grad_(False) on those you do not train)."
                 )
             if old.dtype != g1.dtype:  # (converted since: model.half(), as .grad was)
                 old = old.to(g1.dtype)

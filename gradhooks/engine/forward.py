@@ -432,9 +432,34 @@ class ForwardCapture:
         ):
             self.state.reruns[id(target.module)] = (found, tracker.batch)
 
+    def _refuse_derived_rerun(self, target: Target) -> None:
+        """:meth:`_check_rerun`'s refusal of a call run again whose parameter slot holds a
+        tensor computed from others before it (``functional_call`` given ``p * s`` inside the
+        checkpointed function): its rule's per-example gradient of that tensor would be
+        written as the parameter's own, the computation between them left out."""
+        for name, now in _in_slots(target).items():
+            planned = target.params[name]
+            if now is planned or not isinstance(now, Tensor) or now.grad_fn is None:
+                continue
+            param = self.state.params.get(id(planned), (f"{target.name}.{name}",))[0]
+            self.backwards.abort()  # (what the backward wrote before it reached this call)
+            raise UnsupportedError(
+                f"{target.where}: its '{name}' holds a tensor computed from others "
+                f"({type(now.grad_fn).__name__}: torch.func.functional_call given weights such "
+                "as p * s, made before the call) as the call runs again during the backward "
+                "(reentrant activation checkpointing), where gradhooks cannot follow that "
+                f"tensor back to '{param}': its per-example gradient would be written as the "
+                "parameter's own. Use torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=False), or call functional_call on the model around the "
+                "checkpointed part."
+            )
+
     def _check_rerun(self, target: Target, args: tuple, kwargs: dict) -> None:
         """Refuses a call run again during the backward (:meth:`_note_rerun`) whose rule would
-        read the examples from a dimension that does not hold them, one each."""
+        read the examples from a dimension that does not hold them, one each, or whose
+        parameter slot holds a tensor computed from others (:meth:`_refuse_derived_rerun`)."""
+        if not self.state.sharded:
+            self._refuse_derived_rerun(target)
         noted = self.state.reruns.get(id(target.module))
         if noted is None:
             return
@@ -449,6 +474,7 @@ class ForwardCapture:
             if found is not None
             else f"its input has {rows} rows on dimension {dim}"
         )
+        self.backwards.abort()  # (what the backward wrote before it reached this call)
         raise BatchNotFoundError(
             f"{target.where}: it ran under "
             "torch.no_grad() in the forward and runs again during the backward (reentrant "

@@ -49,7 +49,7 @@ from .calls import CallLayouts
 from .capture import DetachedCalls, runs_call_last_only
 from .forward import ForwardCapture
 from .link import TrackerLink
-from .module_hooks import guard_module_backward_hooks
+from .module_hooks import BackwardHookGuards
 from .outputs import LayerOutputs
 from .pause import set_enabled
 from .plan import (
@@ -212,6 +212,8 @@ class Hooks:
         # the parts, each with the state and the others it calls
         self._forwards = ForwardCapture(state)
         self._backwards = BackwardWriter(state)
+        # (around the user's module backward hooks; a refusal there undoes the backward)
+        self._guards = BackwardHookGuards(state, abort=self._backwards.abort)
         self._layouts = CallLayouts(state)
         self._detached_calls = DetachedCalls(state)
         self._verifier = Verifier(state)
@@ -237,7 +239,7 @@ class Hooks:
                 )
             )
             self._install(model)
-            self._handles += guard_module_backward_hooks(state, model)
+            self._guards.follow(model)
             self._handles.append(
                 model.register_forward_hook(
                     Hook(self._forwards.on_root_post, owner=self),
@@ -599,6 +601,7 @@ class Hooks:
         if key is not None and key == self._key:
             self._follow_accumulator()
             return
+        self._guards.follow(model)  # (a module's backward hooks registered since: guarded)
         now, trainable = structure_and_parameters(model, bool(self._state.sharded))
         if now == self._structure:
             if not self._state.sharded:
@@ -619,7 +622,9 @@ class Hooks:
                 "sharded model (add_hooks(model, quantities=('norms',)) after fully_shard)."
             )
         # planned and checked before this plan's hooks come off: a refusal leaves them on
-        targets = plan_targets(model, self.registry, self.unsupported, self._state.shards)
+        targets = plan_targets(
+            model, self.registry, self.unsupported, self._state.shards, again=True
+        )
         for t in targets:
             other = _HOOKED_MODULES.get(t.module)
             if other is not None and other is not self:
@@ -1048,6 +1053,7 @@ class Hooks:
             h.remove()
         self._handles.clear()
         self._target_handles.clear()
+        self._guards.remove()
         self._forwards.layer_outputs.remove()
         self._state.accumulators.clear()
         model = self.model

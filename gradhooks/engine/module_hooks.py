@@ -11,11 +11,15 @@ place): the same, or the same multiplied by one number (a gradient reversal, or 
 the batch gradient's norm), and the per-example gradients follow, as for a parameter's hook;
 anything else (a clamp, a division by the batch's norm, which mixes the examples) is refused,
 since no per-example gradient gives the ``.grad`` it makes. Hooks registered after
-``add_hooks`` run after gradhooks' last one, and are not checked.
+``add_hooks`` (or removed) change the module's backward hooks, which the forwards compare
+(:func:`gradhooks.engine.plan.state_key`): at the next forward gradhooks' two hooks are put
+around them again (on the model itself, whose call takes its hooks before its forward
+pre-hooks run, from the forward after).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,28 +30,65 @@ from ..errors import UnsupportedError
 from .records import Hook
 from .state import CaptureState
 
-__all__ = ["guard_module_backward_hooks"]
+__all__ = ["BackwardHookGuards"]
 
 
-def guard_module_backward_hooks(state: CaptureState, model: nn.Module) -> list:
-    """Put gradhooks' first and last hooks around the backward hooks each module of ``model``
-    holds; returns their handles (removed with the others)."""
-    handles: list = []
-    kept: dict[tuple[int, str], tuple] = {}
-    for name, m in model.named_modules():
-        full, pre = _torch.module_backward_hooks(m)
+class BackwardHookGuards:
+    """gradhooks' first and last hooks around the backward hooks of the user's on each module
+    of a model, put again where a module's hooks changed since (:meth:`follow`). ``abort``
+    undoes the backward a refusal stops (its ``grad1`` and its additions to ``.grad``)."""
+
+    def __init__(self, state: CaptureState, abort: Callable[[], None]) -> None:
+        self.state, self.abort = state, abort
+        self.kept: dict[tuple[int, str], tuple] = {}
+        # id(module) -> (the ids of its backward hooks, ours with them; our handles on it)
+        self.guarded: dict[int, tuple[tuple, list]] = {}
+
+    def follow(self, model: nn.Module) -> None:
+        """Guard each module of ``model`` whose backward hooks differ from those it held when
+        it was last guarded (or that was never guarded): ours come off, and go on again around
+        the user's, first and last."""
+        none: tuple = ((), ())
+        if all(
+            _torch.module_backward_hooks(m) == self.guarded.get(id(m), (none,))[0]
+            for m in model.modules()
+        ):
+            return
+        seen = set()
+        for name, m in model.named_modules():
+            seen.add(id(m))
+            was = self.guarded.pop(id(m), None)
+            if was is not None:
+                if _torch.module_backward_hooks(m) == was[0]:
+                    self.guarded[id(m)] = was
+                    continue
+                for h in was[1]:
+                    h.remove()
+            full, pre = _torch.module_backward_hooks(m)
+            if full or pre:
+                handles = self._guard(name, m, bool(full), bool(pre))
+                self.guarded[id(m)] = (_torch.module_backward_hooks(m), handles)
+        for key in [k for k in self.guarded if k not in seen]:  # (modules taken out)
+            for h in self.guarded.pop(key)[1]:
+                h.remove()
+
+    def remove(self) -> None:
+        for _, handles in self.guarded.values():
+            for h in handles:
+                h.remove()
+        self.guarded.clear()
+
+    def _guard(self, name: str, m: nn.Module, full: bool, pre: bool) -> list:
+        state, kept, abort, handles = self.state, self.kept, self.abort, []
         where = f"'{name or '<model>'}' ({type(m).__qualname__})"
-        if full:
-            handles.append(m.register_full_backward_hook(
-                Hook(_keep(state, kept, (id(m), "in"), 1)), prepend=True))  # fmt: skip
-            handles.append(m.register_full_backward_hook(
-                Hook(_compare(state, kept, (id(m), "in"), 1, where, "full backward hook"))))  # fmt: skip
-        if pre:
-            handles.append(m.register_full_backward_pre_hook(
-                Hook(_keep(state, kept, (id(m), "out"), 1)), prepend=True))  # fmt: skip
-            handles.append(m.register_full_backward_pre_hook(
-                Hook(_compare(state, kept, (id(m), "out"), 1, where, "backward pre-hook"))))  # fmt: skip
-    return handles
+        for on, key, kind, register in (
+            (full, (id(m), "in"), "full backward hook", m.register_full_backward_hook),
+            (pre, (id(m), "out"), "backward pre-hook", m.register_full_backward_pre_hook),
+        ):
+            if on:
+                handles.append(register(Hook(_keep(state, kept, key, 1)), prepend=True))
+                handles.append(register(Hook(_compare(state, kept, key, 1, where, kind, abort))))
+        return handles
 
 
 def _active(state: CaptureState) -> bool:
@@ -62,7 +103,10 @@ def _keep(state: CaptureState, kept: dict, key: tuple, at: int):
     return keep
 
 
-def _compare(state: CaptureState, kept: dict, key: tuple, at: int, where: str, kind: str):
+def _compare(
+    state: CaptureState, kept: dict, key: tuple, at: int, where: str, kind: str,
+    abort: Callable[[], None],
+):  # fmt: skip
     def compare(*args: Any) -> None:
         before = kept.pop(key, None)
         if before is None or not _active(state):
@@ -70,6 +114,7 @@ def _compare(state: CaptureState, kept: dict, key: tuple, at: int, where: str, k
         after = tuple(args[at])
         if all(_multiple(a, b) for a, b in zip(after, before, strict=True)):
             return
+        abort()
         raise UnsupportedError(
             f"gradhooks: a {kind} of yours on {where} changed the gradient it was given "
             "otherwise than by a factor (each entry clamped, or the batch's gradient divided "

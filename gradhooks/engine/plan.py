@@ -53,11 +53,13 @@ class Target:
 
 def plan_targets(
     model: nn.Module, registry: Registry, unsupported: Unsupported,
-    shards: dict[str, nn.Parameter] | None = None,
+    shards: dict[str, nn.Parameter] | None = None, again: bool = False,
 ) -> list[Target]:  # fmt: skip
     """Which modules to hook, checking that every trainable parameter is covered. ``shards``:
     the parameters sharded by FSDP2 by qualified name (:func:`fsdp_shards`), which the
-    targets hold in place of what is in their slots now (a stand-in of FSDP2's)."""
+    targets hold in place of what is in their slots now (a stand-in of FSDP2's). ``again``:
+    planned again at a forward, the model changed since ``add_hooks`` (a refusal then says
+    that the hooks stay as they were and the forward did not run)."""
     targets: list[Target] = []
     owned: list[str] = []
     uncovered: list[tuple[str, nn.Module, dict[str, nn.Parameter]]] = []
@@ -118,8 +120,13 @@ def plan_targets(
                 + why
                 + "\nRegister one with @gradhooks.register(ModuleType) (see docs/extending.md), "
                 "freeze those parameters, pass unsupported='fallback' (the default) to compute "
-                "them with torch.func, or unsupported='skip' to leave them without grad1. Nothing "
-                "was hooked."
+                "them with torch.func, or unsupported='skip' to leave them without grad1. "
+                + (
+                    "They were added or unfrozen since add_hooks: the hooks stay as they were, "
+                    "and this forward did not run."
+                    if again
+                    else "Nothing was hooked."
+                )
             )
     if shards:
         for t in targets:
@@ -297,6 +304,7 @@ def structure_and_parameters(model: nn.Module, by_name: bool = False) -> tuple[t
 def state_key(model: nn.Module) -> tuple | None:
     """Everything :func:`structure_and_parameters` and :func:`storages_of` read of ``model``,
     from one walk that builds no names: each module's id, class and ``forward`` set on itself,
+    its backward hooks' ids (:class:`gradhooks.engine.module_hooks.BackwardHookGuards`),
     its parameters' slot names, ids, ``requires_grad``, C++ tensors and data, and its children's
     slot names and ids. Equal keys at two forwards mean that neither changed between them; the
     hooks compare it at every forward, and walk the model again by name only where it differs
@@ -312,6 +320,7 @@ def state_key(model: nn.Module) -> tuple | None:
             add(id(module))
             add(id(type(module)))
             add(id(module.__dict__.get("forward")))
+            add(_torch.module_backward_hooks(module))
             params = _torch.own_parameters(module)
             add(len(params))
             for leaf, p in params.items():

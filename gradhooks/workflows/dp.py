@@ -1471,6 +1471,16 @@ def _checked_plan(hooks: Hooks) -> _Plan:
             f"dp_sgd_step: '{plan.complex_[0]}' is complex: the clipping is defined here for "
             "real parameters only (freeze it, or clip its grad1 yourself)"
         )
+    if plan.missing and hooks.unsupported != "skip":  # (every module with one is covered)
+        raise UnsupportedError(
+            f"dp_sgd_step: trainable parameters {plan.missing} are not among the tensors the "
+            "hooked calls ran with at the last forward (torch.func.functional_call put others "
+            "in their slots, such as p.to(torch.bfloat16) or p - lr * g; or they were frozen "
+            "then): the step clips the per-example gradients of those tensors, and has none "
+            "of these. Give the step the losses of a forward of the model with its own "
+            "parameters, trainable (under torch.autocast for a lower precision). Nothing was "
+            "changed."
+        )
     if plan.missing:
         raise UnsupportedError(
             f"dp_sgd_step: trainable parameters {plan.missing} have no gradhooks rule (hooked "
