@@ -500,11 +500,14 @@ def _prompted(step):
     return (x, points, labels), torch.randint(2, (3,), generator=g)
 
 
+@pytest.mark.parametrize("labels_as", ["list", "tensor"])
 @pytest.mark.parametrize("how", list(ADDED))
-def test_a_parameter_added_into_one_examples_rows_trains_as_the_loop(how):
+def test_a_parameter_added_into_one_examples_rows_trains_as_the_loop(how, labels_as):
     """Three SGD steps: ``grad1`` and the norms are the float64 loop's for every parameter,
     the embeddings added into one image's rows among them (once refused: no meeting of a
-    parameter with rows picked from the batch ran in place)."""
+    parameter with rows picked from the batch ran in place). The labels are each image's
+    record (a list), or rows of one tensor, each taken out alone by the loop over images
+    (once taken for an index computed across the batch, and refused)."""
     model = Prompts(how).to(D)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -514,6 +517,8 @@ def test_a_parameter_added_into_one_examples_rows_trains_as_the_loop(how):
     with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
         for step in range(3):
             inputs, y = _prompted(step)
+            if labels_as == "tensor":
+                inputs = (*inputs[:2], torch.stack(inputs[2]))
             ref = copy.deepcopy(model)
             want = {n: torch.zeros(3, *p.shape, dtype=D) for n, p in ref.named_parameters()}
             for i in range(3):  # (the loop: each image alone)
@@ -551,16 +556,94 @@ def test_a_parameter_added_into_one_examples_rows_under_bf16_autocast(how):
             assert (p.grad1[i].double() - g).abs().max() <= 5e-2 * g.abs().max() + 1e-3, n
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.MixedExamplesError,
-    reason="one example's labels taken out of a batched integer tensor (labels[i], iteration) "
-    "carry no gradient, so the tracker takes them for an index computed across the batch, and "
-    "the rows their mask picks for rows ordered by it: refused, not wrong; per-image labels "
-    "given as a list (Segment Anything's records) are followed",
-)
-def test_one_examples_labels_from_a_batched_tensor_pick_its_rows():
-    model = Prompts("by-label-mask").to(D)
-    (x, points, labels), y = _prompted(0)
+# -- one example's indices and masks taken out alone ---------------------------------------------
+
+TAKEN = {
+    # wrong for every example but the first, before: taken for an index computed across the
+    # batch, which only selects
+    "mask-of-one-on-the-batch": lambda m, x, ids: m.lin(x) * (ids[0] > 1),
+    "index-of-one-on-the-batch": lambda m, x, ids: m.lin(x)[:, ids[0] % 3],
+}
+OWN = {
+    # each example's ids through a table, given back their batch dimension (refused before)
+    "ids-regrown": lambda m, x, ids: torch.cat(
+        [m.emb(ids[i][None]).sum(1) for i in range(len(ids))]
+    ),
+    "ids-iterated": lambda m, x, ids: torch.cat([m.emb(r[None]).sum(1) for r in ids]),
+    # each example's own mask on its own rows (refused before)
+    "own-mask-on-its-slice": lambda m, x, ids: torch.cat(
+        [m.lin(x[i : i + 1]) * (ids[i] > 1) for i in range(len(ids))]
+    ),
+    "own-mask-regrown": lambda m, x, ids: torch.cat(
+        [m.lin(x[i][None]) * (ids[i][None] > 1) for i in range(len(ids))]
+    ),
+}
+
+
+class Taken(nn.Module):
+    """A Linear on the examples and an embedding of each example's ids, combined by ``how``."""
+
+    def __init__(self, how) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.emb, self.how = nn.Linear(3, 3), nn.Embedding(5, 3), how
+
+    def forward(self, x, ids):
+        return self.how(self, x, ids) + self.lin(x)
+
+
+def _taken(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, generator=g, dtype=D), torch.randint(5, (4, 3), generator=g)
+
+
+@pytest.mark.parametrize("how", list(TAKEN))
+def test_one_examples_index_or_mask_applied_to_the_batch_is_refused(how):
+    """``ids[0]`` (no gradient: an index or a mask) is the first example's alone; applied to
+    every example's rows it mixes them (an example alone would apply its own): refused,
+    naming what mixed, the model as it was. It was taken for an index computed across the
+    batch, which only selects, and every example but the first had a wrong ``grad1``."""
+    model = Taken(TAKEN[how]).to(D)
+    x, ids = _taken(0)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
-        F.cross_entropy(model(x, points, torch.stack(labels)), y, reduction="sum").backward()
+        before = model_state(model)
+        raised(
+            gradhooks.MixedExamplesError,
+            ["mixes the 4 examples", "__getitem__"],
+            lambda: model(x, ids).pow(2).sum().backward(),
+        )
+        assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("how", list(OWN))
+def test_one_examples_ids_or_mask_taken_out_alone_train_as_the_loop(how):
+    """Two SGD steps: ``grad1`` and the norms are the float64 loop's, and the rows sum to
+    ``.grad``."""
+    model = Taken(OWN[how]).to(D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=("grad1", "norms")) as h:
+        for step in range(2):
+            x, ids = _taken(step)
+            ref = copy.deepcopy(model)
+            want = {n: torch.zeros(4, *p.shape, dtype=D) for n, p in ref.named_parameters()}
+            used = set()
+            for i in range(4):
+                got = torch.autograd.grad(
+                    ref(x[i : i + 1], ids[i : i + 1]).pow(2).sum(), list(ref.parameters()),
+                    allow_unused=True,
+                )  # fmt: skip
+                for (n, _), g in zip(ref.named_parameters(), got):
+                    if g is not None:
+                        want[n][i], _ = g, used.add(n)
+            want = {n: g for n, g in want.items() if n in used}  # (the table: unused by some)
+            opt.zero_grad()
+            h.clear()
+            model(x, ids).pow(2).sum().backward()
+            for n, p in model.named_parameters():
+                if n in want:
+                    torch.testing.assert_close(p.grad1, want[n], msg=f"{how}, step {step}: {n}")
+                    torch.testing.assert_close(p.grad1.sum(0), p.grad, msg=n)
+                else:
+                    assert not hasattr(p, "grad1") and p.grad is None, n
+            torch.testing.assert_close(h.norms(), flat_norms(want))
+            opt.step()

@@ -227,18 +227,22 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
         for o in outs:
             if o.dim() > before.dim and o.shape[before.dim] == before.size(tr.batch):
                 tr.presumed[o] = before
-    if result is MIXED and not any(carries(o) for o in outs) and not inherited:
+    taken_alone = (
+        result is MIXED
+        and not inherited
+        and args
+        and one_example(name, args, kwargs, lay := tr._layout_of(args[0]))
+    )
+    if result is MIXED and not any(carries(o) for o in outs) and not inherited and not taken_alone:
         for o in outs:  # (an index or mask computed across the examples: see rows.follow_coupled)
             tr.coupled[o] = name
     if result is MIXED:
-        if any(carries(o) for o in outs):
+        # (one example's rows taken out alone, x[i] or x.unbind(0), indices and masks too:
+        # that example's own, followed as such, not an index computed across the batch)
+        if any(carries(o) for o in outs) or taken_alone:
             if not inherited and not any(k.startswith(f"{name} picking") for k in tr.mixed):
                 tr.mixed.setdefault(tr._in_call(name) + MIXES_AS.get(name, ""), None)
-            if (
-                not inherited
-                and args
-                and one_example(name, args, kwargs, lay := tr._layout_of(args[0]))
-            ):
+            if taken_alone:
                 taken = examples_taken(name, args, kwargs, lay, len(outs))
                 for k, o in enumerate(outs):
                     tr.alone[o] = (name, lay.dim)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .layout import MIXED, Layout, is_followed, owned, owner_vector, sole_owner
+from .ops import output_layout
 from .ops.common import arg, carries, norm_dim
 from .ops.indexing import regrown_dim
 from .ops.names import KEEPS_ROWS_INDEX, PART_OF, PICKS, PRODUCTS
@@ -166,8 +167,10 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
     each along the stacked dimension, as rows of those examples (the batch itself, in
     order, where it is every one of them in turn). ``None``: neither (mixed, as it was)."""
     laid = [t for t in ins if tr._layout_of(t) is not None]
-    if not laid or any(t not in tr.single for t in laid):
+    if not laid:
         return None
+    if any(t not in tr.single for t in laid):
+        return _with_own_rows(tr, name, args, kwargs, laid, outs)
     found = [tr.single[t] for t in laid]
     base = found[0][1]
     if any(lay != base for _, lay in found):
@@ -211,6 +214,27 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
         if laid[0] in tr.alone:
             tr.alone[o] = tr.alone[laid[0]]
     return MIXED
+
+
+def _with_own_rows(tr: Tracker, name: str, args, kwargs, laid: list, outs: list) -> Any:
+    """:func:`singles` of an elementwise operation on one example's tensors taken out alone
+    and on rows of that same example alone picked from the batch (``x[i : i + 1] * mask[i]``:
+    the example's own mask on its own rows): the layout of those rows, as where the taken-out
+    tensors were constants of that example's computation; ``None`` otherwise."""
+    alone = {tr.single[t][0] for t in laid if t in tr.single}
+    rows = [tr._layout_of(t) for t in laid if t not in tr.single]
+    if len(alone) != 1 or len(outs) != 1 or not is_pointwise(name):
+        return None
+    if sole_owner(rows) != next(iter(alone)):
+        return None
+    found = output_layout(
+        name, args, kwargs, outs[0],
+        lambda t: None if isinstance(t, Tensor) and t in tr.single else tr._layout_of(t),
+        tr.batch,
+    )  # fmt: skip
+    if not isinstance(found, Layout) or not is_followed(found) or found.owners is None:
+        return None
+    return found if sole_owner([found]) == next(iter(alone)) else None
 
 
 def one_examples(tr: Tracker, ins: list) -> tuple[int, Layout] | None:
