@@ -1,5 +1,5 @@
-"""An eighth round of other projects' models against the per-example loop, and thirteen of
-them trained as their users train them.
+"""An eighth round of other projects' models against the per-example loop, and sixteen of them
+trained as their users train them.
 
 Each model is a small excerpt of a public project's model code, rewritten in plain torch (each
 class cites the repository and file it follows), or a Hugging Face model built from a tiny
@@ -10,27 +10,29 @@ over unsorted ``PackedSequence``s, ``nn.Bilinear`` arc scores, ``nn.Unflatten``,
 ``nn.PixelShuffle`` and a pixel-unshuffle by view and permute, ``nn.Unfold`` and ``nn.Fold``
 soft patches, ``nn.ConvTranspose3d``, lazy modules, ``nn.ChannelShuffle``, ``nn.MaxUnpool2d``
 and ``nn.Softmax2d``, ``nn.LocalResponseNorm`` and ``nn.LPPool2d``, a triplet network called
-three times, an ``EmbeddingBag`` of flat tokens and offsets); torchvision's SqueezeNet,
-MobileNetV3, ShuffleNetV2, GoogLeNet with its auxiliary heads, DenseNet's checkpointed
-bottlenecks and VGG (torchvision's PyPI build does not import beside the CPU torch); and Hugging
-Face's translation models (Pegasus, Marian, M2M100), probabilistic forecasters
-(TimeSeriesTransformer, Informer) and PatchTST and PatchTSMixer.
+three times, an ``EmbeddingBag`` of flat tokens and offsets); a mixture density network of
+``torch.distributions``, SimSiam's two views through one encoder, N-BEATS; torchvision's
+SqueezeNet, MobileNetV3, ShuffleNetV2, GoogLeNet with its auxiliary heads, DenseNet's
+checkpointed bottlenecks and VGG (torchvision's PyPI build does not import beside the CPU
+torch); and Hugging Face's translation models (Pegasus, Marian, M2M100), probabilistic
+forecasters (TimeSeriesTransformer, Informer) and PatchTST and PatchTSMixer.
 
 Each is built in float64 (float32 where the model computes in float32 inside) and training
 mode; ``grad1`` and the per-example norms of one backward are compared with a loop of batches
-of one (``rtol=1e-7``; ``1e-5`` for the forecasters): 29 match. Six are refused by gradhooks'
-own error naming the layer and the shapes: BatchNorm in training mode (MobileNetV3,
+of one (``rtol=1e-7``; ``1e-5`` for the forecasters): 32 match. Seven are refused by gradhooks'
+own error naming the layer and the shapes: BatchNorm in training mode (MobileNetV3, SimSiam,
 PatchTST's and PatchTSMixer's batch norms), Autoformer's delays chosen in training by their
 mean over the batch, CLIP's and SigLIP's logits of every image against every text; lazy modules
 hooked before their first forward are refused naming the remedy. The hierarchical attention
 network's attention applied to a ``PackedSequence``'s rows is refused where the loop works (a
-strict xfail, with the reason). Thirteen are then trained in float32 as their users train them:
+strict xfail, with the reason). Sixteen are then trained in float32 as their users train them:
 three steps of ``zero_grad``, a forward under CPU bfloat16 autocast, ``backward`` (or
-gradhooks' DP step) and an AdamW step; at each step ``grad1`` (or the clipped ``.grad``)
-equals the same model's per-example loop under the same autocast within bfloat16's tolerance,
-and ``grad1`` reduces to ``.grad``. The triplet network was once refused there: its last bias
-cancels between its three calls, and the run-time checks took autograd's rounding of each
-call's share for a wrong ``grad1`` (``tests/test_autocast.py``).
+gradhooks' DP step) and an AdamW step; at each step ``grad1`` (or the clipped ``.grad``) equals
+the float64 per-example loop within bfloat16's tolerance (and twice the error of the same
+model's own loop under the same autocast), and ``grad1`` reduces to ``.grad``. The triplet
+network was once refused there: its last bias cancels between its three calls, and the run-time
+checks took autograd's rounding of each call's share for a wrong ``grad1``
+(``tests/test_autocast.py``).
 """
 
 from __future__ import annotations
@@ -687,6 +689,121 @@ def text_bag():
                 (torch.randint(0, 3, (B,)),), split=split)  # fmt: skip
 
 
+class MixtureDensityNetwork(nn.Module):
+    """tonyduan/mdn, ``mdn/models.py``: ``MixtureDensityNetwork``, a categorical network and a
+    network of the components' means and log standard deviations, its loss the negative
+    log-likelihood of a ``torch.distributions`` mixture written out (``logsumexp`` of the
+    mixing log-probabilities and the ``Normal``'s log-densities)."""
+
+    def __init__(self, dim_in=3, dim_out=2, n_components=3, hidden=8):
+        super().__init__()
+        self.n_components, self.dim_out = n_components, dim_out
+        self.pi_network = nn.Sequential(nn.Linear(dim_in, hidden), nn.ELU(),
+                                        nn.Linear(hidden, n_components))  # fmt: skip
+        self.normal_network = nn.Sequential(nn.Linear(dim_in, hidden), nn.ELU(),
+                                            nn.Linear(hidden, 2 * dim_out * n_components))  # fmt: skip
+
+    def forward(self, x):
+        pi = torch.distributions.OneHotCategorical(logits=self.pi_network(x))
+        params = self.normal_network(x)
+        mean, sd = torch.split(params, params.shape[1] // 2, dim=1)
+        mean = torch.stack(mean.split(mean.shape[1] // self.n_components, 1)).transpose(0, 1)
+        sd = torch.stack(sd.split(sd.shape[1] // self.n_components, 1)).transpose(0, 1)
+        return pi, torch.distributions.Normal(mean, torch.exp(sd))
+
+
+def mdn_loss(out, y):
+    """tonyduan/mdn, ``mdn/models.py``: ``MixtureDensityNetwork.loss``, each example's."""
+    pi, normal = out
+    loglik = normal.log_prob(y.unsqueeze(1).expand_as(normal.loc)).sum(dim=2)
+    return -torch.logsumexp(torch.log(pi.probs) + loglik, dim=1)
+
+
+def mdn():
+    return Spec(MixtureDensityNetwork(), (torch.randn(B, 3),), mdn_loss, (torch.randn(B, 2),))
+
+
+class SimSiam(nn.Module):
+    """facebookresearch/simsiam, ``simsiam/builder.py``: ``SimSiam``, one encoder (a small
+    convolutional backbone and a projector) and a predictor, called on two views of each image;
+    the loss (``main_simsiam.py``) the negative cosine of each view's prediction against the
+    other view's detached projection. BatchNorm there, made GroupNorm here
+    (``gradhooks.convert_batch_norm``) as for private training."""
+
+    def __init__(self, dim=8, pred_dim=4):
+        super().__init__()
+        self.encoder = nn.Sequential(
+            nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(4, dim, bias=False), nn.BatchNorm1d(dim), nn.ReLU(inplace=True),
+            nn.Linear(dim, dim), nn.BatchNorm1d(dim, affine=False),
+        )  # fmt: skip
+        self.predictor = nn.Sequential(nn.Linear(dim, pred_dim, bias=False),
+                                       nn.BatchNorm1d(pred_dim), nn.ReLU(inplace=True),
+                                       nn.Linear(pred_dim, dim))  # fmt: skip
+
+    def forward(self, x1, x2):
+        z1, z2 = self.encoder(x1), self.encoder(x2)
+        p1, p2 = self.predictor(z1), self.predictor(z2)
+        return p1, p2, z1.detach(), z2.detach()
+
+
+def simsiam_loss(out):
+    p1, p2, z1, z2 = out
+    return -(F.cosine_similarity(p1, z2, dim=1) + F.cosine_similarity(p2, z1, dim=1)) * 0.5
+
+
+def simsiam(private=True):
+    model = gradhooks.convert_batch_norm(SimSiam(), num_groups=1) if private else SimSiam()
+    return Spec(model, (torch.randn(B, 3, 8, 8), torch.randn(B, 3, 8, 8)), simsiam_loss)
+
+
+class NBeatsBlock(nn.Module):
+    """ServiceNow/N-BEATS, ``models/nbeats.py``: ``NBeatsBlock`` with the generic basis
+    (``GenericBasis``: the first of the expansion coefficients the backcast, the last the
+    forecast)."""
+
+    def __init__(self, input_size, theta_size, layers=2, layer_size=8, backcast=6, forecast=3):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(input_size, layer_size)] + [
+            nn.Linear(layer_size, layer_size) for _ in range(layers - 1)])  # fmt: skip
+        self.basis_parameters = nn.Linear(layer_size, theta_size)
+        self.backcast_size, self.forecast_size = backcast, forecast
+
+    def forward(self, x):
+        block_input = x
+        for layer in self.layers:
+            block_input = torch.relu(layer(block_input))
+        theta = self.basis_parameters(block_input)
+        return theta[:, : self.backcast_size], theta[:, -self.forecast_size :]
+
+
+class NBeats(nn.Module):
+    """ServiceNow/N-BEATS, ``models/nbeats.py``: ``NBeats``, the input reversed and masked,
+    each block's backcast taken off the residuals and its forecast added up."""
+
+    def __init__(self, blocks=3, backcast=6, forecast=3):
+        super().__init__()
+        self.blocks = nn.ModuleList([NBeatsBlock(backcast, backcast + forecast)
+                                     for _ in range(blocks)])  # fmt: skip
+
+    def forward(self, x, input_mask):
+        residuals = x.flip(dims=(1,))
+        input_mask = input_mask.flip(dims=(1,))
+        forecast = x[:, -1:]
+        for block in self.blocks:
+            backcast, block_forecast = block(residuals)
+            residuals = (residuals - backcast) * input_mask
+            forecast = forecast + block_forecast
+        return forecast
+
+
+def nbeats():
+    mask = torch.ones(B, 6)
+    mask[0, :2] = 0  # (the first series' first values missing)
+    return Spec(NBeats(), (torch.randn(B, 6), mask), mse, (torch.randn(B, 3),))
+
+
 # -- torchvision's models, rewritten small (its PyPI build does not import beside CPU torch) -------
 
 
@@ -1227,6 +1344,9 @@ MATCH = {
     "alexnet-lrn": alexnet_lrn,
     "triplet": triplet,
     "text-bag": text_bag,
+    "mdn": mdn,
+    "simsiam-groupnorm": simsiam,
+    "nbeats": nbeats,
     "squeezenet": squeezenet,
     "mobilenet-v3-frozen-bn": mobilenet_v3,
     "shufflenet-v2-groupnorm": shufflenet_v2,
@@ -1267,6 +1387,11 @@ REFUSED = {
         partial(patch_forecaster, "patchtsmixer", norm_mlp="BatchNorm"),
         gradhooks.MixedExamplesError,
         ["mixers.0.patch_mixer.norm.norm.batchnorm' (BatchNorm1d)", *BATCH_NORM],
+    ),
+    "simsiam": (
+        partial(simsiam, private=False),
+        gradhooks.MixedExamplesError,
+        ["'encoder.1' (BatchNorm2d)", *BATCH_NORM],
     ),
     # (the delays of its auto-correlation chosen in training by their mean over the batch)
     "autoformer": (
@@ -1398,6 +1523,9 @@ TRAINED = {
     "rrdbnet": (rrdbnet, "grad1"),
     "segnet": (segnet, "grad1"),
     "triplet": (triplet, "dp"),
+    "mdn": (mdn, "dp"),
+    "simsiam-groupnorm": (simsiam, "dp"),
+    "nbeats": (nbeats, "grad1"),
     "mobilenet-v3-frozen-bn": (mobilenet_v3, "grad1"),
     "googlenet-aux": (googlenet, "grad1"),
     "densenet-checkpointed": (densenet, "dp"),
