@@ -6,11 +6,12 @@ class cites the repository and file it follows), or a Hugging Face model built f
 configuration: torch.nn's own blocks as tutorials and projects use them (``nn.Transformer``
 sequence first with causal and padding masks, ``nn.MultiheadAttention`` with other key and
 value widths, ``add_bias_kv`` and ``add_zero_attn``, a bidirectional LSTM with ``proj_size``
-over unsorted ``PackedSequence``s, ``nn.Bilinear`` arc scores, ``nn.Unflatten``,
-``nn.PixelShuffle`` and a pixel-unshuffle by view and permute, ``nn.Unfold`` and ``nn.Fold``
-soft patches, ``nn.ConvTranspose3d``, lazy modules, ``nn.ChannelShuffle``, ``nn.MaxUnpool2d``
-and ``nn.Softmax2d``, ``nn.LocalResponseNorm`` and ``nn.LPPool2d``, a triplet network called
-three times, an ``EmbeddingBag`` of flat tokens and offsets); a mixture density network of
+over unsorted ``PackedSequence``s, a tagger given its batch packed by its data loader and
+padding it back, ``nn.Bilinear`` arc scores, ``nn.Unflatten``, ``nn.PixelShuffle`` and a
+pixel-unshuffle by view and permute, ``nn.Unfold`` and ``nn.Fold`` soft patches,
+``nn.ConvTranspose3d``, lazy modules, ``nn.ChannelShuffle``, ``nn.MaxUnpool2d`` and
+``nn.Softmax2d``, ``nn.LocalResponseNorm`` and ``nn.LPPool2d``, a triplet network called three
+times, an ``EmbeddingBag`` of flat tokens and offsets); a mixture density network of
 ``torch.distributions``, SimSiam's two views through one encoder, N-BEATS; torchvision's
 SqueezeNet, MobileNetV3, ShuffleNetV2, GoogLeNet with its auxiliary heads, DenseNet's
 checkpointed bottlenecks and VGG (torchvision's PyPI build does not import beside the CPU
@@ -19,20 +20,21 @@ forecasters (TimeSeriesTransformer, Informer) and PatchTST and PatchTSMixer.
 
 Each is built in float64 (float32 where the model computes in float32 inside) and training
 mode; ``grad1`` and the per-example norms of one backward are compared with a loop of batches
-of one (``rtol=1e-7``; ``1e-5`` for the forecasters): 32 match. Seven are refused by gradhooks'
+of one (``rtol=1e-7``; ``1e-5`` for the forecasters): 33 match. Seven are refused by gradhooks'
 own error naming the layer and the shapes: BatchNorm in training mode (MobileNetV3, SimSiam,
 PatchTST's and PatchTSMixer's batch norms), Autoformer's delays chosen in training by their
 mean over the batch, CLIP's and SigLIP's logits of every image against every text; lazy modules
-hooked before their first forward are refused naming the remedy. The hierarchical attention
-network's attention applied to a ``PackedSequence``'s rows is refused where the loop works (a
-strict xfail, with the reason). Sixteen are then trained in float32 as their users train them:
-three steps of ``zero_grad``, a forward under CPU bfloat16 autocast, ``backward`` (or
-gradhooks' DP step) and an AdamW step; at each step ``grad1`` (or the clipped ``.grad``) equals
-the float64 per-example loop within bfloat16's tolerance (and twice the error of the same
-model's own loop under the same autocast), and ``grad1`` reduces to ``.grad``. The triplet
-network was once refused there: its last bias cancels between its three calls, and the run-time
-checks took autograd's rounding of each call's share for a wrong ``grad1``
-(``tests/test_autocast.py``).
+hooked before their first forward are refused naming the remedy. Two are refused where the loop
+works (strict xfails, with the reasons): the hierarchical attention network's attention applied
+to a ``PackedSequence``'s rows, and the tagger given a ``PackedSequence`` of unsorted lengths,
+whose padded output put back in the batch's order is taken for a permutation of it. Sixteen are
+then trained in float32 as their users train them: three steps of ``zero_grad``, a forward
+under CPU bfloat16 autocast, ``backward`` (or gradhooks' DP step) and an AdamW step; at each
+step ``grad1`` (or the clipped ``.grad``) equals the float64 per-example loop within bfloat16's
+tolerance (and twice the error of the same model's own loop under the same autocast), and
+``grad1`` reduces to ``.grad``. The triplet network was once refused there: its last bias
+cancels between its three calls, and the run-time checks took autograd's rounding of each
+call's share for a wrong ``grad1`` (``tests/test_autocast.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch.utils.checkpoint as cp
 from test_lib_sweep_seventh import BF16_TOL, autocast_gradients, build, own_gradients
 from test_lib_sweep_seventh import Spec as _Spec
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
 import gradhooks
 from harness import corrupting, one_thread, raised  # noqa: F401 (one_thread: an autouse fixture)
@@ -288,6 +290,38 @@ class WordAttention(nn.Module):
         sentences, _ = pad_packed_sequence(packed_words, batch_first=True)
         sentences = (sentences * word_alphas.unsqueeze(2)).sum(dim=1)
         return self.fc(sentences)
+
+
+class PackedTagger(nn.Module):
+    """A tagger whose data loader packs the batch (``pack_sequence`` in its ``collate_fn``, as
+    many sequence-labelling scripts do): a bidirectional GRU over the ``PackedSequence`` it is
+    given, padded back (``pad_packed_sequence``, to a fixed length) and tagged by a Linear."""
+
+    def __init__(self, features=3, hidden=4, tags=3, length=6):
+        super().__init__()
+        self.length = length
+        self.rnn = nn.GRU(features, hidden, bidirectional=True)
+        self.tag = nn.Linear(2 * hidden, tags)
+
+    def forward(self, packed):
+        padded, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True,
+                                        total_length=self.length)  # fmt: skip
+        return self.tag(padded)
+
+
+def packed_tagger(enforce_sorted: bool):
+    """Sequences of 6, 4 and 2 steps (sorted by length, as ``enforce_sorted`` needs) or of 4, 6
+    and 2, each example's own tags (-100 where padded: no loss)."""
+    lengths = (6, 4, 2) if enforce_sorted else (4, 6, 2)
+    seqs = [torch.randn(n, 3, dtype=torch.float64) for n in lengths]
+    tags = torch.randint(0, 3, (B, 6))
+    tags[torch.arange(6) >= torch.tensor(lengths)[:, None]] = -100
+
+    def split(args, i):
+        return (pack_sequence([seqs[i]]),)
+
+    return Spec(PackedTagger(), (pack_sequence(seqs, enforce_sorted=enforce_sorted),),
+                cross_entropy, (tags,), split=split)  # fmt: skip
 
 
 def han_word_attention():
@@ -1332,6 +1366,7 @@ MATCH = {
     "translation-transformer": translation_transformer,
     "latent-cross-attention": latent_cross_attention,
     "lstm-proj-packed": lstm_proj_packed,
+    "packed-tagger-sorted": partial(packed_tagger, enforce_sorted=True),
     "bilinear-arcs": bilinear_arcs,
     "dcgan-unflatten": dcgan_unflatten,
     "espcn": espcn,
@@ -1452,6 +1487,24 @@ def test_lazy_modules_not_yet_made_are_refused():
 def test_attention_on_packed_rows():
     """A false refusal: the hierarchical attention network's word attention, whose loop works."""
     assert_matches_loop(han_word_attention)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.BatchNotFoundError,
+    reason=(
+        "A PackedSequence given to the model with its examples packed in another order than "
+        "the batch's (pack_sequence(..., enforce_sorted=False) in a collate_fn): the tracker "
+        "takes the padded output of pad_packed_sequence as the batch in order, though it is "
+        "in the packed (sorted) order, so the index_select that puts it back in order reads "
+        "as a permutation of the batch, and the Linear after it is refused. The order is the "
+        "PackedSequence's sorted_indices, which the padding operation does not see. Sorted "
+        "(enforce_sorted=True), it matches (packed-tagger-sorted)."
+    ),
+)
+def test_packed_input_of_unsorted_lengths_padded_back():
+    """A false refusal: the tagger's loop works."""
+    assert_matches_loop(partial(packed_tagger, enforce_sorted=False))
 
 
 # -- trained as users train: bfloat16 autocast, a few steps ----------------------------------------
