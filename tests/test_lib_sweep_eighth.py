@@ -1236,8 +1236,8 @@ def translation(kind: str):
     config = config_cls(vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1,
                         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
                         decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0,
-                        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
-                        decoder_start_token_id=2)  # fmt: skip
+                        attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+                        decoder_layerdrop=0.0, pad_token_id=1, decoder_start_token_id=2)  # fmt: skip
     ids = torch.randint(3, 40, (B, 6))
     mask = torch.ones(B, 6, dtype=torch.long)
     ids[0, 4:], mask[0, 4:] = 1, 0
