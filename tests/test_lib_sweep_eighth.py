@@ -20,21 +20,22 @@ forecasters (TimeSeriesTransformer, Informer) and PatchTST and PatchTSMixer.
 
 Each is built in float64 (float32 where the model computes in float32 inside) and training
 mode; ``grad1`` and the per-example norms of one backward are compared with a loop of batches
-of one (``rtol=1e-7``; ``1e-5`` for the forecasters): 33 match. Seven are refused by gradhooks'
+of one (``rtol=1e-7``; ``1e-5`` for the forecasters): 34 match. Seven are refused by gradhooks'
 own error naming the layer and the shapes: BatchNorm in training mode (MobileNetV3, SimSiam,
 PatchTST's and PatchTSMixer's batch norms), Autoformer's delays chosen in training by their
 mean over the batch, CLIP's and SigLIP's logits of every image against every text; lazy modules
-hooked before their first forward are refused naming the remedy. Two are refused where the loop
-works (strict xfails, with the reasons): the hierarchical attention network's attention applied
-to a ``PackedSequence``'s rows, and the tagger given a ``PackedSequence`` of unsorted lengths,
-whose padded output put back in the batch's order is taken for a permutation of it. Sixteen are
-then trained in float32 as their users train them: three steps of ``zero_grad``, a forward
-under CPU bfloat16 autocast, ``backward`` (or gradhooks' DP step) and an AdamW step; at each
-step ``grad1`` (or the clipped ``.grad``) equals the float64 per-example loop within bfloat16's
-tolerance (and twice the error of the same model's own loop under the same autocast), and
-``grad1`` reduces to ``.grad``. The triplet network was once refused there: its last bias
-cancels between its three calls, and the run-time checks took autograd's rounding of each
-call's share for a wrong ``grad1`` (``tests/test_autocast.py``).
+hooked before their first forward are refused naming the remedy. The hierarchical attention
+network's attention applied to a ``PackedSequence``'s rows is refused, saying so, where the
+loop works (a strict xfail, with the reason). The tagger given a ``PackedSequence`` of unsorted
+lengths was once refused too: its output padded back in the batch's order was taken for a
+permutation of it (``tests/test_tracking_reorders.py``). Sixteen are then trained in float32 as
+their users train them: three steps of ``zero_grad``, a forward under CPU bfloat16 autocast,
+``backward`` (or gradhooks' DP step) and an AdamW step; at each step ``grad1`` (or the clipped
+``.grad``) equals the float64 per-example loop within bfloat16's tolerance (and twice the error
+of the same model's own loop under the same autocast), and ``grad1`` reduces to ``.grad``. The
+triplet network was once refused there: its last bias cancels between its three calls, and the
+run-time checks took autograd's rounding of each call's share for a wrong ``grad1``
+(``tests/test_autocast.py``).
 """
 
 from __future__ import annotations
@@ -1367,6 +1368,7 @@ MATCH = {
     "latent-cross-attention": latent_cross_attention,
     "lstm-proj-packed": lstm_proj_packed,
     "packed-tagger-sorted": partial(packed_tagger, enforce_sorted=True),
+    "packed-tagger-unsorted": partial(packed_tagger, enforce_sorted=False),
     "bilinear-arcs": bilinear_arcs,
     "dcgan-unflatten": dcgan_unflatten,
     "espcn": espcn,
@@ -1475,36 +1477,18 @@ def test_lazy_modules_not_yet_made_are_refused():
 
 @pytest.mark.xfail(
     strict=True,
-    raises=gradhooks.BatchNotFoundError,
+    raises=gradhooks.UnsupportedError,
     reason=(
         "A Linear applied to a PackedSequence's data (its rows each example's time steps, "
-        "packed longest first) cannot be given to its examples by its rule; with sorted "
-        "lengths gradhooks says so (UnsupportedError), with unsorted lengths the batch is "
-        "reordered before packing and the tracker loses it, so the layer's rows are counted "
-        "against the batch (13 against 3)."
+        "packed longest first): its rule takes dimension 0 as the examples, and cannot be "
+        "given to which example each row belongs; gradhooks refuses it saying so. Following "
+        "those rows (as rows picked by an index, each owned by one example) would take a "
+        "rule of the packed data's own."
     ),
 )
 def test_attention_on_packed_rows():
     """A false refusal: the hierarchical attention network's word attention, whose loop works."""
     assert_matches_loop(han_word_attention)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.BatchNotFoundError,
-    reason=(
-        "A PackedSequence given to the model with its examples packed in another order than "
-        "the batch's (pack_sequence(..., enforce_sorted=False) in a collate_fn): the tracker "
-        "takes the padded output of pad_packed_sequence as the batch in order, though it is "
-        "in the packed (sorted) order, so the index_select that puts it back in order reads "
-        "as a permutation of the batch, and the Linear after it is refused. The order is the "
-        "PackedSequence's sorted_indices, which the padding operation does not see. Sorted "
-        "(enforce_sorted=True), it matches (packed-tagger-sorted)."
-    ),
-)
-def test_packed_input_of_unsorted_lengths_padded_back():
-    """A false refusal: the tagger's loop works."""
-    assert_matches_loop(partial(packed_tagger, enforce_sorted=False))
 
 
 # -- trained as users train: bfloat16 autocast, a few steps ----------------------------------------
