@@ -710,3 +710,47 @@ def test_cast_cache_keeps_the_first_version_within_one_autocast_block():
         assert torch.equal(torch.nn.functional.linear(torch.eye(3), w), cast)
     with torch.autocast("cpu", dtype=BF16):
         assert cache.versions(tensors, autocast_state())["w"] == w._version
+
+
+class _Triplet(nn.Module):
+    """One network called on anchors, positives and negatives, a triplet loss of the three:
+    its last bias cancels in every distance, so its gradient is zero and each call's share of
+    it, rounded by autograd in the half precision, is all that is left."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, a, p, n):
+        ea, ep, en = self.net(a), self.net(p), self.net(n)
+        return torch.relu((ea - ep).pow(2).sum(1) - (ea - en).pow(2).sum(1) + 1.0)
+
+
+@pytest.mark.parametrize("how", ["grad1", "dp-grad1", "dp-bookkeeping"])
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_shares_of_several_calls_that_cancel(dtype, how):
+    """A layer called three times whose shares of a gradient cancel (the triplet network's
+    last bias): the run-time checks (the sum over the batch, the probe, the DP step's own)
+    allow for each call's share rounded apart, so the backward and the step are not refused,
+    and ``grad1`` is the float64 loop's within the format's tolerance (relative to the
+    model's largest entry there); ``check()`` after it finds nothing either."""
+    torch.manual_seed(0)
+    model = _Triplet()
+    args = tuple(torch.randn(4, 6) for _ in range(3))
+    ref = loop_grad(copy.deepcopy(model).double(), lambda out: out.sum(), _double(args))
+    top = max(float(r.abs().max()) for r in ref.values())
+    quantities = ("norms",) if how == "dp-bookkeeping" else ("grad1",)
+    with gradhooks.add_hooks(model, loss_reduction="sum", quantities=quantities) as hooks:
+        with torch.autocast("cpu", dtype=dtype):
+            losses = model(*args).float()
+        if how == "grad1":
+            losses.sum().backward()
+            for name, p in model.named_parameters():
+                assert rel_err(p.grad1, ref[name], top) < TOL[dtype], name
+            assert hooks.check(raise_on_error=False).problems == []
+        else:
+            method = how.split("-")[1]
+            gradhooks.dp_sgd_step(hooks, losses, max_norm=1e6, noise_multiplier=0.0,
+                                  reduction="sum", method=method)  # fmt: skip
+            for name, p in model.named_parameters():
+                assert rel_err(p.grad, ref[name].sum(0), top) < TOL[dtype], name

@@ -1030,8 +1030,8 @@ def test_learned_initial_state_of_the_parent(kind, batch_first, quantity):
 
 @pytest.mark.parametrize(
     "batch_first,enforce_sorted",
-    [(True, True), (True, False), (False, True)],
-    ids=["batch_first-sorted", "batch_first-unsorted", "time_first-sorted"],
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["batch_first-sorted", "batch_first-unsorted", "time_first-sorted", "time_first-unsorted"],
 )
 def test_packed_gru_in_a_module_without_a_rule(batch_first, enforce_sorted):
     """The fallback recomputes a module that packs, runs a GRU from its own learned ``h0`` and

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
 import gradhooks
 from gradhooks.errors import GradhooksError
@@ -445,3 +445,93 @@ def test_a_batch_sorted_here_then_packed_is_refused():
     with gradhooks.add_hooks(model, "sum", verify=False):
         with pytest.raises(GradhooksError, match=r"'rnn' \(GRU\)"):
             sum_of_squares(model(_sequences(BATCH, 0))).backward()
+
+
+class _PackedGiven(nn.Module):
+    """A GRU over the PackedSequence the model is given (``pack_sequence`` in a data loader's
+    ``collate_fn``), padded back by ``pad_packed_sequence`` (``sorted_indices``' order, put
+    back by its ``index_select``), time-major or batch-first, and a Linear on every step."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = nn.GRU(3, 4, bidirectional=True)
+        self.l2 = nn.Linear(8, 2)
+
+    def forward(self, packed):
+        out, _ = self.rnn(packed)
+        padded, _ = pad_packed_sequence(out, batch_first=self.batch_first, total_length=5)
+        return self.l2(padded).sum(1 if self.batch_first else 0)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("enforce_sorted", [True, False])
+def test_a_packed_sequence_given_to_the_model_padded_back(batch_first, enforce_sorted):
+    """Packed with its examples in another order than the batch's (``enforce_sorted=False``),
+    the padded rows are in that order until ``pad_packed_sequence`` puts them back: the
+    Linear after it gets the batch in order (once refused as reading a permutation of it),
+    and ``grad1`` is each example's; sorted, as before. A first forward of sorted sequences
+    of the same shapes does not leave its layouts to the second."""
+    torch.manual_seed(0)
+    model = _PackedGiven(batch_first).double()
+    g = torch.Generator().manual_seed(1)
+    for lengths in ((5, 3, 2), (3, 5, 2) if not enforce_sorted else (5, 3, 2)):
+        seqs = [torch.randn(n, 3, generator=g, dtype=torch.float64) for n in lengths]
+        want = {n: [] for n, _ in model.named_parameters()}
+        for s in seqs:
+            grads = torch.autograd.grad(
+                sum_of_squares(model(pack_sequence([s]))), list(model.parameters())
+            )
+            for (n, _), gr in zip(model.named_parameters(), grads):
+                want[n].append(gr)
+        with gradhooks.add_hooks(model, "sum"):
+            sum_of_squares(model(pack_sequence(seqs, enforce_sorted=enforce_sorted))).backward()
+        for name, p in model.named_parameters():
+            assert_close(p.grad1, torch.stack(want[name]), f"{lengths}: grad1 of {name}")
+        model.zero_grad(set_to_none=True)
+        gradhooks.clear_grad1(model)
+
+
+class _PacksTimeFirst(nn.Module):
+    """``pack_padded_sequence(..., enforce_sorted=False)`` of a time-first batch inside the
+    model (sorted by length there, by ``index_select``), a GRU, the padding back, and a Linear
+    on every step; or (``on_data``) a Linear on the packed rows themselves."""
+
+    def __init__(self, on_data: bool = False):
+        super().__init__()
+        self.on_data = on_data
+        self.rnn = nn.GRU(3, 4)
+        self.l2 = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        out, _ = self.rnn(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        if self.on_data:
+            return self.l2(out.data)
+        padded, _ = pad_packed_sequence(out, total_length=x.shape[0])
+        return self.l2(padded)
+
+
+def test_a_time_first_batch_packed_unsorted_in_the_model():
+    """The packed data of a batch sorted by ``pack_padded_sequence`` are followed as a
+    PackedSequence's, packed in its ``sorted_indices``' order, which padding back puts back:
+    ``grad1`` is each example's (once refused, the batch lost where it was sorted). A Linear on
+    the packed rows themselves is refused saying so, as where the lengths come sorted."""
+    torch.manual_seed(0)
+    model = _PacksTimeFirst().double()
+    x = torch.randn(5, 3, 3, dtype=torch.float64)
+    lengths = torch.tensor([3, 5, 2])
+    want = {n: [] for n, _ in model.named_parameters()}
+    for i in range(3):
+        grads = torch.autograd.grad(
+            sum_of_squares(model(x[:, i : i + 1], lengths[i : i + 1])), list(model.parameters())
+        )
+        for (n, _), g in zip(model.named_parameters(), grads):
+            want[n].append(g)
+    with gradhooks.add_hooks(model, "sum", batch_dim=1):
+        sum_of_squares(model(x, lengths)).backward()
+    for name, p in model.named_parameters():
+        assert_close(p.grad1, torch.stack(want[name]), f"grad1 of {name}")
+    model = _PacksTimeFirst(on_data=True).double()
+    with gradhooks.add_hooks(model, "sum", batch_dim=1):
+        with pytest.raises(gradhooks.UnsupportedError, match=r"'l2' \(Linear\).*PackedSequence"):
+            model(x, lengths)

@@ -203,12 +203,23 @@ class EngineAPI:
         box = self._hooks._verifier.probe_box
         return None if box is None else box.get("precision")
 
-    def drop_probe(self) -> None:
-        """The caller checks this step itself: the engine's check is not needed."""
+    def drop_probe(self, weights: Tensor | None = None) -> None:
+        """The caller checks this step itself: the engine's check is not needed. ``weights``:
+        what the caller's check weighs the examples by (:func:`pieces.example_weights`), for
+        :meth:`shares_size` to tell its room after the next backward."""
         hooks = self._hooks
         if hooks._verifier.probe_box is not None:
             drop_box(hooks._verifier.probe_box)
             hooks._verifier.probe_box = None
+        hooks._state.check_weights = weights
+        hooks._state.check_shares = {}
+
+    def shares_size(self, p: Tensor) -> float:
+        """After the backward that :meth:`drop_probe`'s weights were for: where several calls
+        reached ``p`` in a half precision, the sum of the largest entries of their shares of
+        its gradient weighted so, each rounded by autograd (the room of the caller's check of
+        a gradient whose shares cancel); else 0."""
+        return self._hooks._state.check_shares.get(id(p), 0.0)
 
     # -- backwards of the workflows' own -----------------------------------------------------
 

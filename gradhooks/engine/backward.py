@@ -61,11 +61,12 @@ from .records import (
     HeldCall,
     autocast_off,
     graph_task,
+    half_precision,
     lowest_precision,
     with_fields,
 )
 from .state import CaptureState
-from .verify import Verifier, per_example_outputs, rounding_tolerance
+from .verify import Verifier, keep_check_shares, per_example_outputs, rounding_tolerance
 
 
 class BackwardWriter:
@@ -373,10 +374,19 @@ class BackwardWriter:
         nested = bw is not None and bw.nested
         if sums is not None and not self.state.grad1 and self.state.mode.param_grads and not nested:
             formed = {}
+        shares = (
+            bw is not None
+            and (bool(bw.verify) or self.state.check_weights is not None)
+            and half_precision(bw.precision)
+        )
         for pname, p in live.items():
             piece = pieces[pname]
             if not piece.sums_to_grad:
                 self.state.exempt.add(id(p))
+            # (the room of the checks: see Backward.shares; not of an embedding's rows, whose
+            # share would be a whole table, nor of a sharded parameter's)
+            if shares and p.numel() and not piece.adds_rows and id(p) not in self.state.sharded:
+                self._note_share(bw, piece, p, scale)
             if piece.rounded_terms and bw is not None:  # (the room: see _settle)
                 bw.rounded[id(p)] = bw.rounded.get(id(p), 0) + piece.rounded_terms
                 size = piece.terms_scale(p.shape)
@@ -461,6 +471,21 @@ class BackwardWriter:
             if out is None:
                 self.accumulate(f"{target.name}.{pname}" if target.name else pname, p, g1, bw)
             written[pid] = p
+
+    def _note_share(self, bw: Backward, piece: P.Piece, p: nn.Parameter, scale: float) -> None:
+        """The largest entry of this call's share of ``p``'s gradient, and of that share weighted
+        over the examples as the check of this backward weighs them (the probe's weights, or a
+        workflow's own, :attr:`CaptureState.check_weights`; ``None``: neither), for the room
+        of the checks (:attr:`Backward.shares`)."""
+        probe = bw.probe
+        weights = self.state.check_weights if probe is None else probe.weights
+        with torch.no_grad():
+            own = piece.in_dtype(p.dtype).batch_sum(p.shape).abs().max()
+            weighted = None if weights is None else P.weighted_sum(
+                [P.PieceUse(piece, p, scale)], weights
+            )  # fmt: skip
+            found = None if weighted is None else weighted.abs().max()
+        bw.shares.setdefault(id(p), []).append((own, found))
 
     def _writable_grad1(self, p: nn.Parameter, batch: int, accumulate: bool) -> Tensor | None:
         """``p.grad1``, if this call's gradient can be written into its memory: it has the
@@ -1173,6 +1198,8 @@ class BackwardWriter:
                     lambda: self.verifier.verify_norms(bw, bw.probe, kept)
                 )
             self.state.unverified -= bw.verify
+        if self.state.check_weights is not None and bw.reached:
+            keep_check_shares(self.state, bw)
         self._settle(bw, kept and bool(bw.reached))
         if self.state.collector is not None:
             self.state.collector.missed = list(bw.missed)

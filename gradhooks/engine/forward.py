@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from .. import _torch
 from .._torch import tree_map
@@ -786,6 +787,9 @@ class ForwardCapture:
             frame.batch = 0  # (no example: nothing to follow, and every grad1 has no row)
             return
         tracker = Tracker(batch, self.state.params, self.state.link)
+        for packed in (*args, *kwargs.values()):  # (packed in another order than the batch's)
+            if isinstance(packed, PackedSequence) and packed.sorted_indices is not None:
+                tracker.packed_orders[packed.batch_sizes] = packed.sorted_indices
         for i, (t, lay) in enumerate(layouts):
             if i and lay is not PACKED:
                 tracker.add_candidate(t, lay)

@@ -186,8 +186,15 @@ class Backward:
     # form its gradient, over this backward's calls (pieces.Piece.rounded_terms)
     rounded: dict[int, int] = field(default_factory=dict)
     # per parameter id with rounded terms, the largest entry of the sum of their magnitudes, the
-    # scale of their rounding (pieces.Piece.terms_scale), over this backward's calls
+    # scale of their rounding (pieces.Piece.terms_scale), over this backward's calls; or of
+    # several calls' shares, each rounded (shares, taken in by the check)
     terms_scale: dict[int, Tensor] = field(default_factory=dict)
+    # (verify, in a half precision) per parameter id, the largest entry of each of its calls'
+    # share of the gradient, and of that share weighted over the examples as the probe's rows
+    # are (None: no probe): autograd rounds each share, and the shares of a layer called
+    # several times may cancel (a triplet network's last bias, whose gradient is zero), so
+    # that the sum is rounding of the shares, not of what is left
+    shares: dict[int, list[tuple[Tensor, Tensor | None]]] = field(default_factory=dict)
     batch: int | None = None  # the examples of the grad1 it wrote
     # the batch sizes its calls gave -> (the first call of each, whether its forward was an
     # entry's: a submodule called outside the model's forward)

@@ -157,6 +157,13 @@ class CaptureState:
         # -- the last line of defence (Verifier) -----------------------------------------------
         self.verified: set[tuple] = set()  # signatures of the calls of a forward
         self.unverified: set[tuple] = set()
+        # the weights a workflow's own check of the next verified backward weighs the examples
+        # by, where the engine's probe stands aside (dp_sgd_step's), and, per parameter id
+        # that several calls of that backward reached in a half precision, the sum of the
+        # largest entries of their shares weighted so (records.Backward.shares): the room of
+        # that check
+        self.check_weights: Tensor | None = None
+        self.check_shares: dict[int, float] = {}
         # the spot check of the backwards in between (Verifier.spot_check): the position,
         # among params, of the parameter the next one compares; the entries compared, by id
         self.spot_next = 0

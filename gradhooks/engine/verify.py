@@ -222,6 +222,41 @@ def _size(terms_scale: Tensor | None) -> float:
     return 0.0 if terms_scale is None else float(terms_scale)
 
 
+def _weighted_size(bw: Backward, pid: int, weighted: float) -> float:
+    """The scale of the rounding of a parameter's gradient weighted over the examples (the
+    probe's, or a workflow's check's): its terms' (:attr:`Backward.terms_scale`) times
+    ``weighted``, the largest weight (times the mean's factor); and, where several calls'
+    shares were each rounded in a half precision, the sum of their largest entries weighted
+    alike (:attr:`Backward.shares`)."""
+    size = weighted * _size(bw.terms_scale.get(pid))
+    calls = bw.shares.get(pid)
+    if calls is not None and len(calls) > 1 and all(found is not None for _, found in calls):
+        size = max(size, float(sum(found for _, found in calls)))
+    return size
+
+
+def keep_check_shares(state: CaptureState, bw: Backward) -> None:
+    """At the end of backward ``bw``, where a workflow checks it itself
+    (:attr:`CaptureState.check_weights`): the room of that check, per parameter that several
+    calls reached (:attr:`CaptureState.check_shares`)."""
+    state.check_weights = None
+    state.check_shares = {
+        pid: _weighted_size(bw, pid, 0.0) for pid, calls in bw.shares.items() if len(calls) > 1
+    }
+
+
+def _fold_shares(bw: Backward) -> None:
+    """Where several calls' shares of a parameter's gradient were each rounded in a half
+    precision (:attr:`Backward.shares`), the sum of their largest entries is the scale of that
+    rounding too: taken into :attr:`Backward.terms_scale`, which the checks of the gradient
+    (this backward's, and :meth:`Hooks.check`'s after it) allow for."""
+    for pid, calls in bw.shares.items():
+        if len(calls) > 1:
+            total = sum(own for own, _ in calls)
+            found = bw.terms_scale.get(pid)
+            bw.terms_scale[pid] = total if found is None else torch.maximum(found, total)
+
+
 def _flat_entries(found: list, batch: int) -> Tensor:
     """The flat indices ``[batch, entries]`` of a spot check's entries in each example's row of
     a ``grad1`` of ``batch`` examples (``torch.take``), kept in ``found`` (the parameter's
@@ -794,6 +829,7 @@ class Verifier:
         output-gradients alone (:meth:`_probe`: what mixes the examples unseen would show
         there). A mismatch undoes the backward's ``grad1`` and raises, naming the
         parameters."""
+        _fold_shares(bw)
         wrong = []
         # (a parameter whose gradient is zero by symmetry, a key's bias, is compared against
         # the model's scale, not its own rounding)
@@ -987,7 +1023,7 @@ class Verifier:
             diff = mismatch(
                 got, want, None, overall, **PROBE_TOLERANCE,
                 precision=lowest_precision(bw.precision, probe.precision), exact=probe.exact,
-                terms=bw.rounded.get(pid, 0), terms_scale=weighted * _size(bw.terms_scale.get(pid)),
+                terms=bw.rounded.get(pid, 0), terms_scale=_weighted_size(bw, pid, weighted),
             )  # fmt: skip
             del got, want
             if diff is not None:
@@ -1038,7 +1074,7 @@ class Verifier:
                 None if got is None else got.to(want.dtype), want, None, overall,
                 **PROBE_TOLERANCE, precision=lowest_precision(bw.precision, probe.precision),
                 exact=probe.exact, terms=bw.rounded.get(pid, 0),
-                terms_scale=weighted * _size(bw.terms_scale.get(pid)),
+                terms_scale=_weighted_size(bw, pid, weighted),
             )  # fmt: skip
             dtype = want.dtype
             del got, want

@@ -19,7 +19,7 @@ from .. import _torch
 from .alone import guard_rows
 from .couplings import POWERS, arm, coupling, nonlinear, whole_matrix
 from .couplings import PRODUCTS as PRODUCTS_OF
-from .layout import CONTRACTED, MIXED, REORDER, UNKNOWN, Layout, is_followed
+from .layout import CONTRACTED, MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .ops import OpFacts, data_args, handler_for, output_layout
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.indexing import by_positions, examples_taken, one_example, puts_back, reorder_of
@@ -147,6 +147,12 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
             arm(tr.engine, outs, why)
         if result is UNKNOWN:
             result = presume(tr, name, args, kwargs, out, ins, outs)
+    # (a PackedSequence of examples packed in another order: see packed_in_order; of one
+    # example, in its only order)
+    if name == "_pack_padded_sequence" and tr.reordered.entries and tr.batch > 1:
+        result = packed_in_order(tr, args, kwargs, outs, result)
+    if name == "_pad_packed_sequence" and tr.packed_orders.entries and tr.batch > 1:
+        result = unpacked_in_order(tr, args, outs, result)
     if tr.read and result is not MIXED and (got := read_back(tr.read, args, kwargs)):
         result = MIXED  # (h / float(h.abs().max()): every example's rows scaled by all)
         tr.mixed.setdefault(f"{got} of a reduction over the batch, read into Python", None)
@@ -303,6 +309,45 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
         meet_after(tr, name, args, kwargs, out)
     elif tr.lineage.entries:
         inherit(tr, ins, outs)
+
+
+def packed_in_order(tr: Tracker, args, kwargs, outs: list, result):
+    """``_pack_padded_sequence`` of the batch put in another order along its dimension
+    (``pack_padded_sequence(..., enforce_sorted=False)`` sorts it by length first, by
+    ``index_select``): the data of a PackedSequence whose examples are packed in that order
+    (its ``sorted_indices``), noted by its batch sizes (:attr:`.Tracker.packed_orders`), as
+    for one the model is given. ``result``: the handler's layouts, given back as that of a
+    PackedSequence's data and batch sizes where so."""
+    order = tr.orders.get(args[0]) if args and isinstance(args[0], Tensor) else None
+    if order is None or len(outs) < 2:
+        return result
+    dim, perm, before = order
+    batch_first = bool(arg(args, kwargs, 2, "batch_first"))
+    if not (
+        is_followed(before) and before.plain and before.dim == dim == (0 if batch_first else 1)
+    ):
+        return result
+    tr.packed_orders[outs[1]] = perm
+    return [PACKED, None]
+
+
+def unpacked_in_order(tr: Tracker, args, outs: list, result):
+    """``_pad_packed_sequence`` of the data of a PackedSequence the model was given with its
+    examples packed in another order than the batch's (:attr:`.Tracker.packed_orders`): the
+    padded rows are in that order, which ``pad_packed_sequence`` then puts back
+    (``index_select`` by its ``unsorted_indices``). ``result``: its handler's layouts of the
+    outputs, the padded rows' first; given back with the padded rows reordered by the
+    ``sorted_indices``, as ``x[perm]`` is (unknown, the examples presumed on that dimension),
+    so that putting them back gives the batch in order again."""
+    sizes = args[1] if len(args) > 1 else None
+    order = tr.packed_orders.get(sizes) if isinstance(sizes, Tensor) else None
+    padded = result[0] if isinstance(result, list) and result else None
+    if order is None or not isinstance(padded, Layout) or not is_followed(padded):
+        return result
+    tr.reordered[outs[0]] = "pad_packed_sequence, in the order the examples were packed in,"
+    tr.orders[outs[0]] = (padded.dim, order, padded)
+    tr.presumed[outs[0]] = padded
+    return [UNKNOWN, *result[1:]]
 
 
 def inherit(tr: Tracker, ins: list, outs: list) -> None:

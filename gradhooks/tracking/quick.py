@@ -222,6 +222,7 @@ def follow(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list) -> None:
         or tr.row_index.entries
         or tr.positions.entries
         or tr.reordered.entries
+        or tr.packed_orders.entries
         # (traced by torch.compile, where the hooks cannot leave compiled code: dynamo
         # would guard on the kept table, as large as every model's calls so far)
         or COMPILING()

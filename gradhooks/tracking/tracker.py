@@ -67,7 +67,17 @@ from .tensormap import TensorMap
 
 # the maps of a Tracker made at their first use (see Tracker.__getattr__)
 _LAZY_MAPS = frozenset(
-    {"spread", "alone", "orders", "ranked", "single", "presumed", "candidates", "would", "wide"}
+    {
+        "spread",
+        "alone",
+        "orders",
+        "ranked",
+        "single",
+        "presumed",
+        "candidates",
+        "would",
+        "wide",
+    }  # fmt: skip
 )
 
 
@@ -157,6 +167,11 @@ class Tracker(TorchFunctionMode):
         # tensors whose rows along the batch are the examples in another order (x[perm]), with
         # the operation that reordered them
         self.reordered: TensorMap = TensorMap()
+        # the batch sizes of the model's input PackedSequences whose examples are packed in
+        # another order than the batch's (pack_sequence(..., enforce_sorted=False)), with that
+        # order, their sorted_indices: padded again, the rows are in that order (see
+        # propagate.unpacked_in_order)
+        self.packed_orders: TensorMap = TensorMap()
         self.rejoined = 0
         # the model's first input as the engine took it (:meth:`give`), and its shape
         self.given: TensorMap = TensorMap()
@@ -217,6 +232,7 @@ class Tracker(TorchFunctionMode):
         self.blocking = (
             self.aliases, self.coupled.entries, self.read, self.read_rows, self.row_index.entries,
             self.positions.entries, self.reordered.entries, self.lineage.entries,
+            self.packed_orders.entries,
         )  # fmt: skip
 
     def __getattr__(self, name: str) -> Any:

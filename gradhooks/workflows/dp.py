@@ -768,7 +768,7 @@ def _truth(hooks: Hooks, per_example_loss: Tensor, wrt: list, method: str) -> tu
             grads[i] = g * batch
         del g
     grads = tuple(grads)
-    engine.drop_probe()  # (the hooks' own check of the examples: this one is it)
+    engine.drop_probe(weights)  # (the hooks' own check of the examples: this one is it)
     if "grad1" not in hooks.quantities:
         engine.mark_verified()
     return weights, grads, exact
@@ -798,7 +798,7 @@ def _check_step(
             want, g = g, None
         diff = None if want is None else mismatch(
             g, want, None, overall, **PROBE_TOLERANCE, precision=precision, exact=exact,
-            terms=engine.rounded_terms(p),
+            terms=engine.rounded_terms(p), terms_scale=engine.shares_size(p),
         )  # fmt: skip
         del g, want
         if diff is not None:
