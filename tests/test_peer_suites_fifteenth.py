@@ -15,7 +15,9 @@ nngeometry that no set has ported:
   positions expanded, ``2·N·(I ⊗ A)`` reduced, ``2/C·(I ⊗ A)`` under the mean), which checks
   ``A``'s normalisation alone; ``test_kfac_type2_weight_sharing`` on its ``WeightShareModel``,
   a deep linear network over ``[N, 4, 8, 5]`` whose output it post-processes per datum with
-  ``torch.func.vmap`` inside ``forward`` (``grad1`` of it too, in each of its settings);
+  ``torch.func.vmap`` inside ``forward`` (``grad1`` of it too, in each of its settings, and
+  of its cross-entropy case of ``test/cases.py``, the classes moved first by that ``vmap``),
+  and a ``vmap`` in the forward given more than each example's own rows, refused;
 - nngeometry (``tfjgeorge/nngeometry``: ``tests/test_torch_hooks_kfac.py``,
   ``tests/tasks.py``): ``test_jacobian_kfac_vs_pblockdiag`` (K-FAC against the block-diagonal
   Fisher of the output Jacobians where they coincide: a Conv1d and a Conv2d summed over
@@ -246,21 +248,30 @@ class WeightShareModel(nn.Sequential):
     """curvlinops' ``WeightShareModel`` (``test/utils.py``): a ``Sequential`` whose output
     ``[batch, ..., c]`` is post-processed one datum at a time by ``torch.func.vmap``:
     ``"reduce"`` averages over the shared positions (``... c -> c``), ``"expand-flatten"``
-    flattens them with the features (``... c -> (... c)``), ``"expand"`` keeps them (its
-    einops patterns written in torch). ``vmapped=False``: the same post-processing written
+    flattens them with the features (``... c -> (... c)``), ``"expand"`` keeps them, with
+    the classes moved first under ``loss="CE"`` (``... c -> c ...``; its einops patterns
+    written in torch). ``vmapped=False``: the same post-processing written
     over the batch, as most models would."""
 
     def __init__(
-        self, *layers: nn.Module, setting: str, vmapped: bool = True, feature_dims: int = 3
+        self,
+        *layers: nn.Module,
+        setting: str,
+        loss: str = "MSE",
+        vmapped: bool = True,
+        feature_dims: int = 3,
     ):
         super().__init__(*layers)
-        self.setting, self.vmapped, self.feature_dims = setting, vmapped, feature_dims
+        self.setting, self.loss = setting, loss
+        self.vmapped, self.feature_dims = vmapped, feature_dims
 
     def _one(self, out: Tensor) -> Tensor:
         if self.setting == "reduce":
             return out.reshape(-1, out.shape[-1]).mean(0)
         if self.setting == "expand-flatten":
             return out.reshape(-1)
+        if out.dim() > 1 and self.loss == "CE":  # (... c -> c ...: the classes first)
+            return out.movedim(-1, 0)
         return out
 
     def _batched(self, out: Tensor) -> Tensor:
@@ -268,6 +279,8 @@ class WeightShareModel(nn.Sequential):
             return out.reshape(out.shape[0], -1, out.shape[-1]).mean(1)
         if self.setting == "expand-flatten":
             return out.reshape(out.shape[0], -1)
+        if out.dim() > 2 and self.loss == "CE":
+            return out.movedim(-1, 1)
         return out
 
     def forward(self, x: Tensor) -> Tensor:
@@ -418,6 +431,82 @@ def test_curvlinops_weight_share_model_grad1(setting):
         ),
         batch=3,
     )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_curvlinops_weight_share_model_for_cross_entropy_grad1(reduction):
+    """``test/cases.py``'s cross-entropy case over an extra dimension: ``WeightShareModel(
+    Sequential(Linear(10, 5), ReLU(), Linear(5, 3)), setting="expand", loss="CE",
+    num_output_feature_dims=2)`` on ``[N, 5, 10]``, its ``vmap`` in ``forward`` moving each
+    datum's classes first (``[N, 3, 5]``), under the cross-entropy of labels ``[N, 5]``:
+    ``grad1`` against ``vmap(grad)`` and the loop."""
+    check(
+        Case(
+            "weight_share_ce",
+            lambda: WeightShareModel(
+                nn.Sequential(nn.Linear(10, 5), nn.ReLU(), nn.Linear(5, 3)),
+                setting="expand",
+                loss="CE",
+                feature_dims=2,
+            ),
+            lambda n: torch.rand(n, 5, 10),
+            target=lambda n: torch.randint(3, (n, 5)),
+            loss=ce_sum,
+        ),
+        batch=4,
+        reduction=reduction,
+    )
+
+
+class VmapAfterLinear(nn.Module):
+    """A Linear, then a ``torch.func.vmap`` over its output's rows in the forward, as
+    curvlinops' ``WeightShareModel`` runs one: per example (``"own_rows"``), or given more
+    than each example's own row: the batch's mean captured from outside the ``vmap``, the rows
+    rolled along the batch as a second vmapped input, or vmapped over the features
+    (``in_dims=1``) with a reduction over the batch inside."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin, self.how = nn.Linear(3, 7), how
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        vmap = torch.func.vmap
+        if self.how == "own_rows":
+            return vmap(lambda o: o.tanh() * 2)(h)
+        if self.how == "captured_batch_mean":
+            return vmap(lambda o: o - h.mean(0))(h)
+        if self.how == "rolled_rows":
+            return vmap(lambda o, r: o * r)(h, h.roll(1, 0))
+        return vmap(lambda o: o - o.mean(), in_dims=1, out_dims=1)(h)
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("captured_batch_mean", "holds the 4 examples unbatched|computed across the examples"),
+        ("rolled_rows", "computed across the examples"),
+        ("over_features", "vmapped over its dimension 1"),
+    ],
+)
+def test_a_vmap_in_the_forward_that_mixes_the_examples_is_refused(how, says):
+    """A ``torch.func.vmap`` in the forward hides its calls' examples from the tracker; one
+    given more than each example's own rows (the batch's mean captured from outside it, the
+    rows rolled along the batch, a ``vmap`` over the features with a reduction over the
+    batch inside) makes every example's loss depend on the others, and its ``grad1`` was the
+    Linear's pieces summed as if it did not: silently not the loop's. Refused
+    (``MixedExamplesError`` naming the Linear, the operation and the ``vmap``), nothing
+    written; the ``vmap`` over each example's own rows is the loop's."""
+    x = seeded(lambda: torch.rand(4, 3, dtype=D), 1)
+    model = seeded(lambda: VmapAfterLinear(how)).to(D)
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with pytest.raises(gradhooks.MixedExamplesError) as info:
+            half_sq(model(x)).backward()
+    message = str(info.value)
+    assert "'lin' (Linear)" in message and "torch.func.vmap" in message, message
+    assert any(part in message for part in says.split("|")), message
+    assert not any(hasattr(p, "grad1") for p in model.parameters())
+    check(Case("vmap_own_rows", lambda: VmapAfterLinear("own_rows"), lambda n: torch.rand(n, 3)))
 
 
 # == nngeometry: tests/test_torch_hooks_kfac.py ===================================================
