@@ -17,15 +17,18 @@ Each internal, its name here, where it is used, and its fallback:
   (:func:`own_transform`), or a tensor of the call is a functorch tensor
   (``torch.func.debug_unwrap``).
 - ``functorch_batched``: ``torch._C._functorch.is_batchedtensor``, ``get_unwrapped``,
-  ``maybe_get_bdim`` (:func:`unbatched`), the physical tensor of a ``vmap``-batched one.
+  ``maybe_get_bdim`` (:func:`unbatched`, :func:`batched_on`), the physical tensor of a
+  ``vmap``-batched one.
   :func:`gradhooks.jacobians` and :func:`gradhooks.kfac` run their backwards under ``vmap``
   over the output-gradients and write the hooks' batched pieces into plain tensors
   (``quantities``, ``kfac``; the Jacobian forms of ``pieces.Rows`` and ``rules/conv.py``).
   With ``is_legacy_batchedtensor`` (:func:`is_grads_batched`), the engine tells a user's
   ``is_grads_batched`` backward, whose gradients are batched by the older ``vmap``, and
   writes no ``grad1`` from it (``backward.py``, ``verify.py``).
+  The tracker reads from them which dimension a ``vmap`` run in the forward is over.
   Fallback: one backward per output-gradient, no ``vmap``; a user's batched backward reaches
-  the rules, whose pieces then fail with an error.
+  the rules, whose pieces then fail with an error; a ``vmap`` in the forward given the
+  examples is taken as one over another dimension (a backward through it refused).
 - ``saved_tensor_hooks``: ``torch._C._autograd._top_saved_tensors_default_hooks``
   (:func:`saved_tensor_hooks_active`): whether saved-tensor hooks (non-reentrant activation
   checkpointing, offloading) are on. Used by the engine (no ``taps`` then, and no call run
@@ -244,6 +247,8 @@ __all__ = [
     "global_forward_pre_hooks",
     "graph_task_id",
     "backward_keeps_graph",
+    "batched_on",
+    "in_own_transform",
     "in_transform",
     "is_batched",
     "is_grads_batched",
@@ -478,6 +483,12 @@ def own_transform() -> Iterator[None]:
         _own_transforms -= 1
 
 
+def in_own_transform() -> bool:
+    """Whether one of gradhooks' own ``torch.func`` transforms is running
+    (:func:`own_transform`)."""
+    return _own_transforms > 0
+
+
 def in_transform(*trees: Any) -> bool:
     """Whether this runs inside a ``torch.func`` transform (``vmap``, ``grad``, ...).
 
@@ -540,6 +551,19 @@ def unbatched(t: Tensor | None) -> Tensor | None:
     if not is_batched(t):
         return None
     return get_unwrapped(t).movedim(bdim(t), 0)
+
+
+def batched_on(t: Tensor | None) -> tuple[Tensor, int] | None:
+    """``(physical, dim)``: the tensor under ``t``'s innermost ``vmap`` as it is (not moved)
+    and the dimension of it that the ``vmap`` runs over; ``None`` where ``t`` is not batched,
+    or where this internal is missing. The tracker's check of a ``vmap`` run in the forward
+    (``tracking/meeting.py``), which without it takes no ``vmap`` for one over the batch."""
+    if _BATCHED is None or "functorch_batched" in _off or t is None:
+        return None
+    is_batched, get_unwrapped, bdim = _BATCHED
+    if not is_batched(t):
+        return None
+    return get_unwrapped(t), int(bdim(t))
 
 
 def is_batched(t: Tensor | None) -> bool:

@@ -149,3 +149,62 @@ def note_transformed(tr: Tracker, func, args: tuple, kwargs: dict) -> None:
             continue
         for s in tr.all_sources(base):
             s.problem = s.problem or why
+
+
+def vmapped_rows(tr: Tracker, func, args: tuple, kwargs: dict) -> str | None:
+    """Why a call inside a ``torch.func.vmap`` run in the forward (not one of gradhooks' own)
+    may combine the examples; ``None`` where each of its vmapped calls sees one example's
+    rows alone. The tracker cannot follow the examples through the ``vmap`` (its result
+    depends on no example, as far as it can tell), so it checks the tensors that enter it:
+    one that holds the examples must be batched by the ``vmap`` over the dimension that holds
+    them, in order. Captured from outside it unbatched (``vmap(lambda o: o - h.mean(0))(h)``,
+    every example meeting the others), batched over another dimension (``in_dims=1``), or
+    holding rows that are not the examples in order (``h.roll(1, 0)`` beside ``h``), it may
+    mix them. Without the internal that reads a ``vmap``'s dimension, any tensor with the
+    examples is taken so."""
+    tensors = tensor_args(args, kwargs)
+    internal = _torch.available("functorch_batched")
+    if internal and not any(_torch.is_batched(t) for t in tensors):
+        return None  # (a torch.func.grad's tensors alone, or none transformed: not a vmap)
+    for t in tensors:
+        base = _torch.functorch_base(t)
+        lay = tr.layout(base)
+        if lay is None:
+            continue  # (no example in it: made inside the vmap, or shared by the batch)
+        got = _torch.batched_on(t)
+        shape = tuple(base.shape)
+        if lay.dim < 0 or not lay.plain:  # (MIXED, UNKNOWN, PACKED, rows picked or folded)
+            what = f"a tensor {shape} computed across the examples, or not holding them in order"
+        elif got is None or got[0] is not base:
+            what = (
+                f"a tensor {shape} that holds the {tr.batch} examples unbatched (captured "
+                "from outside the vmap, or vmapped more than once): each call meets them all"
+            )
+        elif got[1] != lay.dim:
+            what = (
+                f"a tensor {shape} vmapped over its dimension {got[1]}, while the examples "
+                f"are on its dimension {lay.dim}"
+            )
+        else:
+            continue
+        return f"{tr._in_call(op_name(func))} inside a torch.func.vmap in the forward, given {what}"
+    return None
+
+
+def guard_vmapped(tr: Tracker, func, args: tuple, kwargs: dict, why: str) -> Any:
+    """Run a call that :func:`vmapped_rows` says may mix the examples (``why``), and arm the
+    autograd node of each of its results: a backward that writes ``grad1`` and reaches it is
+    refused (:meth:`~.link.EngineLink.lost_reached`), as one through an operation that lost
+    the examples' rows is."""
+    out = func(*args, **kwargs)
+    engine = tr.engine
+    if engine is None:
+        return out
+    for o in out_tensors(out):
+        node = _torch.functorch_base(o).grad_fn
+        if node is None:
+            continue
+        # (the hook holds the nodes after this one, not this one: no cycle through the graph)
+        after = tuple(n for n, _ in node.next_functions if n is not None)
+        node.register_prehook(lambda grad_outputs, after=after: engine.lost_reached(why, after))
+    return out

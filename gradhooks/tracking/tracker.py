@@ -54,7 +54,7 @@ from .. import _torch
 from .aliases import aliased
 from .layout import MIXED, UNKNOWN, Layout
 from .link import EngineLink
-from .meeting import meet, note_transformed
+from .meeting import guard_vmapped, meet, note_transformed, vmapped_rows
 from .ops import data_args, facts, facts_named, quick_table
 from .ops.common import op_name, out_tensors, tensor_args
 from .ops.names import PICKS
@@ -438,6 +438,10 @@ class Tracker(TorchFunctionMode):
             kwargs = {}
         if (self.taints.entries or self.param_sources) and _torch.in_transform(args, kwargs):
             note_transformed(self, func, args, kwargs)
+        if not self.off and _torch.in_transform(args, kwargs) and not _torch.in_own_transform():
+            why = vmapped_rows(self, func, args, kwargs)
+            if why is not None:
+                return guard_vmapped(self, func, args, kwargs, why)
         # The short way: a function whose layouts are kept for any call (quick_kind), where
         # nothing the tracker knows of the forward beyond layouts stands in the way, its
         # tensors carry no source and its parameters are used inside the hooked calls that
