@@ -121,7 +121,7 @@ def guard_rows(tr: Tracker, name: str, ins: list, outs: list, call: tuple | None
     if node is None:
         return
     why = (
-        f"{tr._in_call(name)}, which gradhooks does not follow: from a tensor of shape "
+        f"{tr.in_call(name)}, which gradhooks does not follow: from a tensor of shape "
         f"{tuple(t.shape)} holding the {tr.batch} examples on {lay.describe(tr.batch)}, it "
         f"gave one of shape {tuple(lost[0].shape)}" + (f", {alone}" if alone else "")
     )

@@ -29,17 +29,17 @@ def meet(tr: Tracker, func, name, args, kwargs, tensors, direct) -> Any:
         tr.joined |= tr.lineage.get(t, frozenset())  # (met as batched)
     # (the graph turned off inside the call: its parameters' gradients from here come
     # from a backward written by hand)
-    lost = not torch.is_grad_enabled() and tr._graph_where_called()
+    lost = not torch.is_grad_enabled() and tr.graph_where_called()
     if tr.engine is not None and direct and not lost and not any(tr.taints.get(t) for t in tensors):
         out = tr.engine.functional_use(func, name, args, kwargs, direct, tr)
         if out is not NotImplemented:
             for p in direct:  # (a module without a rule that covers it leaves it to this)
-                where = tr._covering(id(p))
+                where = tr.covering(id(p))
                 if where is not None:
                     tr.used[where].functional.add(id(p))
             return out
     for p in direct:
-        tr._param_source(p)
+        tr.param_source(p)
     if lost or any(not t.requires_grad for t in tainted):
         if not torch.is_grad_enabled():
             # (inside a custom autograd.Function's forward, whose own backward gives the
@@ -187,7 +187,7 @@ def vmapped_rows(tr: Tracker, func, args: tuple, kwargs: dict) -> str | None:
             )
         else:
             continue
-        return f"{tr._in_call(op_name(func))} inside a torch.func.vmap in the forward, given {what}"
+        return f"{tr.in_call(op_name(func))} inside a torch.func.vmap in the forward, given {what}"
     return None
 
 

@@ -86,12 +86,12 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
     unselected = where_unselected(name, args, tr.layouts) if name == "where" else _NONE
     if tr.coupled.entries and name in PRODUCTS:
         unselected = unselected | all_ones(tr, name, ins)
-    layout_of = tr.layouts.get  # (as _layout_of: no tensor has no entry)
+    layout_of = tr.layouts.get  # (as tr.layout: no tensor has no entry)
     if unselected:  # (a branch of torch.where that no entry takes: as if a constant)
         ins = [t for t in ins if id(t) not in unselected]
 
         def layout_of(t: Any) -> Layout | None:
-            return None if id(t) in unselected else tr._layout_of(t)
+            return None if id(t) in unselected else tr.layout(t)
 
     layouts = tr.layouts
     inherited = False
@@ -175,7 +175,7 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
     if result is REORDER:  # (of data too: a layer on x[order] is refused, not misread)
         if reordered is None:
             order = reorder_of(name, args, kwargs)
-            before = tr._layout_of(args[0]) if args else None
+            before = tr.layout(args[0]) if args else None
             for o in outs:
                 tr.reordered[o] = name
                 if order is not None:
@@ -185,8 +185,8 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
         # of a detached copy, which no backward would show, counts as mixing them)
         presume(tr, name, args, kwargs, out, ins, outs)
     elif reordered is not None and name not in TAKES_ORDER:
-        ordered = [t for t in ins if t not in tr.reordered and tr._layout_of(t) is not
-                   None and tr._layout_of(t).dim >= 0]  # fmt: skip
+        ordered = [t for t in ins if t not in tr.reordered and tr.layout(t) is not
+                   None and tr.layout(t).dim >= 0]  # fmt: skip
         if ordered and any(o.requires_grad for o in outs):
             result = MIXED  # (rows of different examples combined: x[perm] + x)
             tr.mixed.setdefault(reordered, None)
@@ -215,7 +215,7 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
         # different dimensions (heads folded in, sequence-first), take the first input's
         # dimension, every entry of which is the one example's (rows that are no example's
         # joined to it along that dimension: torch.cat([k, zeros]))
-        result = next((lay for t in ins if is_followed(lay := tr._layout_of(t))), UNKNOWN)
+        result = next((lay for t in ins if is_followed(lay := tr.layout(t))), UNKNOWN)
         if result is not UNKNOWN and result.owners is None:
             o = outs[0]
             if result.dim < o.dim() and o.shape[result.dim] != result.size(1):
@@ -237,7 +237,7 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
         result is MIXED
         and not inherited
         and args
-        and one_example(name, args, kwargs, lay := tr._layout_of(args[0]))
+        and one_example(name, args, kwargs, lay := tr.layout(args[0]))
     )
     if result is MIXED and not any(carries(o) for o in outs) and not inherited and not taken_alone:
         for o in outs:  # (an index or mask computed across the examples: see rows.follow_coupled)
@@ -247,7 +247,7 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
         # that example's own, followed as such, not an index computed across the batch)
         if any(carries(o) for o in outs) or taken_alone:
             if not inherited and not any(k.startswith(f"{name} picking") for k in tr.mixed):
-                tr.mixed.setdefault(tr._in_call(name) + MIXES_AS.get(name, ""), None)
+                tr.mixed.setdefault(tr.in_call(name) + MIXES_AS.get(name, ""), None)
             if taken_alone:
                 taken = examples_taken(name, args, kwargs, lay, len(outs))
                 for k, o in enumerate(outs):
@@ -268,7 +268,7 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
                     picked = any(
                         lay is not None and lay.owners is not None
                         for t in ins
-                        if (lay := tr._layout_of(t)) is not None
+                        if (lay := tr.layout(t)) is not None
                     )
                     tr.used[-1].mixing.add("__getitem__" if picked else name)
             return
@@ -301,7 +301,7 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
             if not carries(o):
                 lay = UNKNOWN
             else:
-                tr.mixed.setdefault(tr._in_call(name), None)
+                tr.mixed.setdefault(tr.in_call(name), None)
         if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(tr.batch)):
             lay = UNKNOWN  # (a handler's guess that the shapes contradict)
         tr.layouts[o] = lay
@@ -356,7 +356,7 @@ def inherit(tr: Tracker, ins: list, outs: list) -> None:
     joins its candidates to the batch for good."""
     every, would, firm = frozenset(), frozenset(), False
     for t in ins:
-        if tr._layout_of(t) is None:
+        if tr.layout(t) is None:
             continue
         found = tr.lineage.get(t)
         if found is None:
@@ -370,7 +370,7 @@ def inherit(tr: Tracker, ins: list, outs: list) -> None:
         tr.joined |= every
         return
     for o in outs:
-        if tr._layout_of(o) is not None:
+        if tr.layout(o) is not None:
             tr.lineage[o] = every
             if would:
                 tr.would[o] = would
@@ -387,7 +387,7 @@ def listed_join(tr: Tracker, name: str, args, kwargs, out: Tensor, ins: list) ->
     (``torch.cat(views)``: the views of one batch) is taken as a list of batches."""
     laid = [
         (t, lay) for t in ins
-        if is_followed(lay := tr._layout_of(t)) and lay.owners is None
+        if is_followed(lay := tr.layout(t)) and lay.owners is None
     ]  # fmt: skip
     if not laid:
         return
@@ -412,7 +412,7 @@ def mixed_up(tr: Tracker, ins: list) -> Layout | None:
     them once: ``x`` and ``x[perm]``), and some in another; else ``None``."""
     base, moved = None, False
     for t in ins:
-        lay = tr._layout_of(t)
+        lay = tr.layout(t)
         if lay is None:
             continue
         plain = lay if lay.owners is None else lay.owners.base
@@ -436,7 +436,7 @@ def presume(tr: Tracker, name: str, args, kwargs, out, ins: list, outs: list) ->
     a presumed layout is never handed to a rule."""
 
     def presumed_of(t: Any) -> Layout | None:
-        lay = tr._layout_of(t)
+        lay = tr.layout(t)
         return tr.presumed.get(t, lay) if lay is UNKNOWN else lay
 
     # (an operation without a handler along the examples' dimension: across the batch)
@@ -450,7 +450,7 @@ def presume(tr: Tracker, name: str, args, kwargs, out, ins: list, outs: list) ->
         ):
             return MIXED
     guess = None
-    if any(tr._layout_of(t) is UNKNOWN for t in ins):
+    if any(tr.layout(t) is UNKNOWN for t in ins):
         again = output_layout(name, args, kwargs, out, presumed_of, tr.batch)
         if again is MIXED:
             return MIXED
@@ -496,7 +496,7 @@ def without_candidates(tr: Tracker, name: str, args, kwargs, out, ins: list, res
     def layout_of(t: Any) -> Layout | None:
         if isinstance(t, Tensor) and tr.lineage.get(t, frozenset()) & cands:
             return None
-        return tr._layout_of(t)
+        return tr.layout(t)
 
     alt = output_layout(name, args, kwargs, out, layout_of, tr.batch)
     alts = alt if isinstance(alt, list) else [alt]

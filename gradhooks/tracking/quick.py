@@ -165,7 +165,7 @@ def quick_tensor(tr: Tracker, a: Tensor) -> tuple | None:
 def quick_param(tr: Tracker, pid: int) -> bool:
     """Note the use of parameter ``pid`` by the hooked call covering it, as the long way
     does; ``False`` where none does, or one without a rule (a direct use: the long way)."""
-    where = tr._covering(pid)
+    where = tr.covering(pid)
     if where is None or tr.used[where].soft:
         return False
     tr.used[where].params.add(pid)
@@ -186,7 +186,7 @@ def quick_follow(tr: Tracker, op: OpFacts, func, args: tuple, kwargs: dict, part
             return out
         if isinstance(out, Tensor):
             if out.dtype is not tr.precision:
-                tr._note_precision(out)
+                tr.note_precision(out)
             if not COMPILING():
                 hit = memo.KEPT.get(tuple(parts))
                 if hit is not None and len(hit[0]) == 1 and out.shape == hit[0][0]:

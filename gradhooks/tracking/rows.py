@@ -90,7 +90,7 @@ def follow_coupled(tr: Tracker, name: str, args, ins: list, outs: list, result: 
     lays = result if isinstance(result, list) else [result]
     picks = name in PICKS and args and isinstance(args[0], Tensor)
     if picks:
-        x_lay = tr._layout_of(args[0])
+        x_lay = tr.layout(args[0])
         fresh = [
             lay for lay in lays
             if isinstance(lay, Layout) and lay.owners is not None
@@ -166,7 +166,7 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
     (``torch.stack(rows)``, ``torch.cat`` of each with a dimension of one), the result holds
     each along the stacked dimension, as rows of those examples (the batch itself, in
     order, where it is every one of them in turn). ``None``: neither (mixed, as it was)."""
-    laid = [t for t in ins if tr._layout_of(t) is not None]
+    laid = [t for t in ins if tr.layout(t) is not None]
     if not laid:
         return None
     if any(t not in tr.single for t in laid):
@@ -222,14 +222,14 @@ def _with_own_rows(tr: Tracker, name: str, args, kwargs, laid: list, outs: list)
     the example's own mask on its own rows): the layout of those rows, as where the taken-out
     tensors were constants of that example's computation; ``None`` otherwise."""
     alone = {tr.single[t][0] for t in laid if t in tr.single}
-    rows = [tr._layout_of(t) for t in laid if t not in tr.single]
+    rows = [tr.layout(t) for t in laid if t not in tr.single]
     if len(alone) != 1 or len(outs) != 1 or not is_pointwise(name):
         return None
     if sole_owner(rows) != next(iter(alone)):
         return None
     found = output_layout(
         name, args, kwargs, outs[0],
-        lambda t: None if isinstance(t, Tensor) and t in tr.single else tr._layout_of(t),
+        lambda t: None if isinstance(t, Tensor) and t in tr.single else tr.layout(t),
         tr.batch,
     )  # fmt: skip
     if not isinstance(found, Layout) or not is_followed(found) or found.owners is None:
@@ -241,7 +241,7 @@ def one_examples(tr: Tracker, ins: list) -> tuple[int, Layout] | None:
     """``(example, layout it was picked from)`` where every tensor among ``ins`` that holds
     examples holds rows picked from the batch of that one example alone
     (:func:`~.layout.sole_owner`); ``None`` otherwise."""
-    lays = [tr._layout_of(t) for t in ins]
+    lays = [tr.layout(t) for t in ins]
     example = sole_owner(lays)
     if example is None:
         return None
@@ -284,7 +284,7 @@ def follow_ranked(tr: Tracker, name: str, args, ins: list, outs: list, result: A
         index = next((t for t in ins if t is not x and t in tr.coupled), None)
         # (the rows picked from x, or, written into a tensor without examples, out[idx] =
         # s, the rows written)
-        ref = tr._layout_of(x) if tr._layout_of(x) is not None else tr._layout_of(src)
+        ref = tr.layout(x) if tr.layout(x) is not None else tr.layout(src)
     if (
         index is not None
         and found
@@ -302,7 +302,7 @@ def follow_ranked(tr: Tracker, name: str, args, ins: list, outs: list, result: A
         return result
     if src is None:
         return result
-    why, before = tr.ranked[src], tr._layout_of(src)
+    why, before = tr.ranked[src], tr.layout(src)
     mixing = None
     for o, lay in zip(outs, lays):
         if lay is MIXED and carries(o):
@@ -317,7 +317,7 @@ def follow_ranked(tr: Tracker, name: str, args, ins: list, outs: list, result: A
         for t in ins:  # (a tensor without examples laid along the rows: one per place)
             k = d - o.dim() + t.dim()
             if (
-                tr._layout_of(t) is None
+                tr.layout(t) is None
                 and not (t is x and name in PICKS)  # (what an index reads or writes into)
                 and 0 <= k < t.dim()
                 and t.shape[k] == o.shape[d] > 1
@@ -330,7 +330,7 @@ def follow_ranked(tr: Tracker, name: str, args, ins: list, outs: list, result: A
         if mixing:
             break
     if mixing is not None:
-        tr.mixed.setdefault(tr._in_call(mixing), None)
+        tr.mixed.setdefault(tr.in_call(mixing), None)
         return MIXED
     for o, lay in zip(outs, lays):
         if is_followed(lay):
@@ -348,7 +348,7 @@ def masks_rows(tr: Tracker, ins: list, outs: list) -> bool:
     scores."""
     o = outs[0]
     for x in ins:
-        lay = tr._layout_of(x)
+        lay = tr.layout(x)
         if not is_followed(lay) or x in tr.coupled or lay.size(tr.batch) < 2:
             continue
         d = lay.dim + o.dim() - x.dim()  # (the examples' dimension in the output)
@@ -357,7 +357,7 @@ def masks_rows(tr: Tracker, ins: list, outs: list) -> bool:
             if (
                 t in tr.coupled
                 and not t.requires_grad  # (a mask: the rows an expert computed are not)
-                and not is_followed(tr._layout_of(t))
+                and not is_followed(tr.layout(t))
             ):
                 if k >= 0 and t.shape[k] == o.shape[d]:
                     return True
@@ -382,7 +382,7 @@ def follow_positions(tr: Tracker, name: str, args, kwargs, outs: list, writes: b
     which then, with every view of it, holds positions no more."""
     if name in FINDS_ROWS:
         mask = args[0] if args else kwargs.get("input")
-        lay = tr._layout_of(mask)
+        lay = tr.layout(mask)
         if (
             (name != "where" or len(args) == 1)
             and isinstance(mask, Tensor)
@@ -438,7 +438,7 @@ def follow_row_indices(tr: Tracker, name: str, args, ins: list, outs: list) -> N
     ``narrow``, ``split``) is decided across the batch (the first tokens of the batch, not
     of each example), so it is coupled (see :func:`follow_coupled`)."""
     if name in ("nonzero", "argwhere") or name == "where" and len(args) == 1:
-        if any(is_followed(tr._layout_of(t)) for t in ins):
+        if any(is_followed(tr.layout(t)) for t in ins):
             for o in outs:
                 if not o.is_floating_point():
                     tr.row_index[o] = True
@@ -452,7 +452,7 @@ def follow_row_indices(tr: Tracker, name: str, args, ins: list, outs: list) -> N
         # (a mask or index of the rows' own, weights[tokens] > 0.1, picks per row; one
         # that does not depend on them, arange(n) < capacity, by position)
         if name != "__getitem__" or not all(
-            is_followed(tr._layout_of(i)) or i in tr.row_index
+            is_followed(tr.layout(i)) or i in tr.row_index
             for i in items if isinstance(i, Tensor)
         ) or not any(isinstance(i, Tensor) for i in items):  # fmt: skip
             if any(o.numel() < x.numel() for o in outs):

@@ -259,7 +259,7 @@ class Tracker(TorchFunctionMode):
         else:
             self.layouts[t] = layout
 
-    def _in_call(self, name: str) -> str:
+    def in_call(self, name: str) -> str:
         """``name``, an operation that mixed the examples, with the innermost hooked call it ran
         in (``"batch_norm in 'layer1.0.bn1'"``), for messages."""
         where = next((u.where for u in reversed(self.used) if u.where is not None), None)
@@ -313,7 +313,7 @@ class Tracker(TorchFunctionMode):
         if not self.lineage:
             return
         found = [self.lineage.get(t) for t in inputs
-                 if isinstance(t, Tensor) and self._layout_of(t) is not None]  # fmt: skip
+                 if isinstance(t, Tensor) and self.layout(t) is not None]  # fmt: skip
         every = frozenset().union(*(f for f in found if f))
         if not every:
             return
@@ -324,7 +324,7 @@ class Tracker(TorchFunctionMode):
         outs = [o for o in outputs if isinstance(o, Tensor)]
         self.pending.append(_Pending(every, outs, shared))
         for o in outs:
-            if self._layout_of(o) is not None:
+            if self.layout(o) is not None:
                 self.lineage[o] = every
             self.would[o] = frozenset({key})
 
@@ -393,13 +393,13 @@ class Tracker(TorchFunctionMode):
         it did."""
         if not used.mixing or not used.mixing <= PICKS:
             return False  # (a reduction or product across the batch: truly mixed)
-        if any(self._layout_of(t) is MIXED for t in inputs):
+        if any(self.layout(t) is MIXED for t in inputs):
             return False  # (mixed before the call)
         first = next((lay for t in inputs if (lay := self.presumed_of(t)) is not None), None)
         if first is None or first.dim < 0:
             return False
         size = first.size(self.batch)
-        lays = [self._layout_of(o) for o in outputs]
+        lays = [self.layout(o) for o in outputs]
         if not any(lay is MIXED for lay in lays) or any(
             lay is MIXED and (o.dim() <= first.dim or o.shape[first.dim] != size)
             for o, lay in zip(outputs, lays)
@@ -495,7 +495,7 @@ class Tracker(TorchFunctionMode):
             if id(t) in params:
                 if op.metadata:
                     continue  # (reading p.dtype or p.requires_grad is no use of its values)
-                where = self._covering(id(t))
+                where = self.covering(id(t))
                 if where is None:
                     direct.append(t)
                 else:
@@ -525,7 +525,7 @@ class Tracker(TorchFunctionMode):
                 if name in READS_ROWS and self.layouts.get(tensors[0]) is MIXED:
                     self.read_rows[id(out)] = (out, name)  # (held: its id stays its own)
                 if isinstance(out, Tensor) and out.dtype is not self.precision:
-                    self._note_precision(out)
+                    self.note_precision(out)
                 self.func = func
                 try:
                     # (``tensors`` are the tensors whose values it computes with, as there)
@@ -538,12 +538,12 @@ class Tracker(TorchFunctionMode):
                 return out
             if laid:
                 out = meet(self, func, name, args, kwargs, tensors, direct)
-                self._note_precision(out)
+                self.note_precision(out)
                 self._hold(direct, args, out)
                 return out
             sources = set(sources)
             for p in direct:
-                sources.add(self._param_source(p))
+                sources.add(self.param_source(p))
             if True:  # batch-free: the sources flow on
                 out = func(*args, **kwargs)
                 self._hold(direct, args, out)
@@ -568,10 +568,10 @@ class Tracker(TorchFunctionMode):
         module's call (not one that a module without a rule, whose fallback takes it over,
         uses)."""
         return any(not getattr(s, "soft", False) for s in sources) or any(
-            self._covering(id(p)) is None for p in direct
+            self.covering(id(p)) is None for p in direct
         )
 
-    def _note_precision(self, out: Any) -> None:
+    def note_precision(self, out: Any) -> None:
         """Keep :attr:`precision` (an operation on the examples' tensors gave ``out``)."""
         d = out.dtype if isinstance(out, Tensor) else None
         if d is not None and d.is_complex:
@@ -581,7 +581,7 @@ class Tracker(TorchFunctionMode):
         if self.precision is None or torch.finfo(d).eps > torch.finfo(self.precision).eps:
             self.precision = d
 
-    def _graph_where_called(self) -> bool:
+    def graph_where_called(self) -> bool:
         """Whether autograd recorded a graph where the innermost running call (or the
         model's forward) started. Turned off inside it since (a custom ``autograd.Function``'s
         forward, a ``no_grad`` block of the forward), a parameter's gradient from there comes
@@ -590,7 +590,7 @@ class Tracker(TorchFunctionMode):
         graph, in the backward, and followed there."""
         return self.used[-1].graph if self.used else self.graph
 
-    def _covering(self, pid: int) -> int | None:
+    def covering(self, pid: int) -> int | None:
         for i in range(len(self.covered) - 1, -1, -1):
             if pid in self.covered[i]:
                 return i
@@ -620,15 +620,15 @@ class Tracker(TorchFunctionMode):
             )
 
     def _found_source(self, p: Tensor) -> Source | None:
-        """The source of ``p``'s direct uses made so far, if any (:meth:`_param_source`)."""
-        where = self._covering(id(p))
+        """The source of ``p``'s direct uses made so far, if any (:meth:`param_source`)."""
+        where = self.covering(id(p))
         table = self.used[where].sources if where is not None else self.param_sources
         return table.get(id(p))
 
-    def _param_source(self, p: Tensor) -> Source:
+    def param_source(self, p: Tensor) -> Source:
         """The source of ``p``'s direct uses: one per forward, or, inside a module without a
         rule that covers it (soft), one per call of that module."""
-        where = self._covering(id(p))
+        where = self.covering(id(p))
         record = self.used[where] if where is not None else None
         table = record.sources if record is not None else self.param_sources
         s = table.get(id(p))
@@ -647,12 +647,9 @@ class Tracker(TorchFunctionMode):
                 self.engine.direct_source(s, p)
         return s
 
-    def _layout_of(self, t: Any) -> Layout | None:
-        return self.layouts.get(t) if isinstance(t, Tensor) else None
-
     def presumed_of(self, t: Any) -> Layout | None:
         """``t``'s layout, or, where it is unknown, where its examples are presumed."""
-        lay = self._layout_of(t)
+        lay = self.layout(t)
         return self.presumed.get(t, lay) if lay is UNKNOWN else lay
 
     def propagate(self, name: str, args, kwargs, out) -> None:
@@ -665,7 +662,7 @@ class Tracker(TorchFunctionMode):
     def all_sources(self, t: Tensor) -> frozenset[Source]:
         s = self.taints.get(t, frozenset())
         if id(t) in self.params:
-            where = self._covering(id(t))
+            where = self.covering(id(t))
             if where is None:
                 s = s | {self.param_sources[id(t)]}
             elif self.used[where].soft:
