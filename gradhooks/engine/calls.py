@@ -246,7 +246,9 @@ def check_pieces(rule, target: Target, pieces: Any, params: dict[str, nn.Paramet
                 f"({p.numel()} entries): a Direct piece holds [batch, *{tuple(p.shape)}]; an "
                 "Outer piece a [batch, *groups, shared, in] input and a [batch, *groups, shared, "
                 "out] output-gradient, for a parameter [*groups, out, in] (check the rule with "
-                "gradhooks.check_rule)"
+                "gradhooks.check_rule); or the parameter's .data was set to a tensor of another "
+                "shape between the forward and its backward (a vocabulary resized): change it "
+                "after the backward"
             )
 
 

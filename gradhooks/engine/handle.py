@@ -548,12 +548,19 @@ class Hooks:
             )
         before = self._state.accumulators.get(pid)
         if before is not None:
-            if before[0] is node:
+            if before[0] is node and before[2] == p.shape:
                 return
             before[1].remove()
+            if before[0] is node:
+                # (``p.data`` set to a tensor of another shape: Hugging Face's
+                # resize_token_embeddings. The node, alive while held here, keeps the shape
+                # autograd checks its gradient against; let go, torch makes p a new one)
+                del self._state.accumulators[pid]
+                before = node = None
+                node = accumulator_of(p)
         handle = node.register_prehook(self._backwards.accumulate_hook(pid, name))
         self._target_handles.append(handle)
-        self._state.accumulators[pid] = (node, handle)
+        self._state.accumulators[pid] = (node, handle, p.shape)
 
     def _follow_storages(self, params: list[nn.Parameter]) -> None:
         """Where a parameter's ``AccumulateGrad`` node may be new since the last forward, it is

@@ -72,9 +72,9 @@ class CaptureState:
         # planned with these, whatever stand-in FSDP2 has put in their slots at the time
         self.shards: dict[str, nn.Parameter] = {}
         self.sharded: set[int] = set()  # their ids: per-example norms, no grad1
-        # each hooked parameter's AccumulateGrad node and the handle of the pre-hook on it, by
-        # id (held: a leaf's node lives while referred to)
-        self.accumulators: dict[int, tuple[Any, Any]] = {}
+        # each hooked parameter's AccumulateGrad node, the handle of the pre-hook on it and the
+        # parameter's shape then, by id (held: a leaf's node lives while referred to)
+        self.accumulators: dict[int, tuple[Any, Any, torch.Size]] = {}
         self.targets: list[Target] = []
         self.params: dict[int, tuple[str, nn.Parameter]] = {}  # trainable, covered, unique
         self.numel = 0  # the elements of params

@@ -504,6 +504,11 @@ class Tracker(TorchFunctionMode):
                         direct.append(t)
         if not laid and not sources and not direct:
             return func(*args, **kwargs)
+        if direct and op.inplace and args[0] is direct[0] and not torch.is_grad_enabled():
+            # (a parameter written in place without grad, before its module's call: by a
+            # pre-hook that renormalizes or re-initializes it, from whatever values; it stays a
+            # leaf without history, which its call then uses, as the next forward would)
+            return func(*args, **kwargs)
         name = op.name
         split = DECOMPOSED.get(name) if sources or direct else None
         if split is not None and self._outside(sources, direct):

@@ -4,8 +4,12 @@ mask, picks of rows by an index, fused operations without a rule (see :class:`gr
 
 from __future__ import annotations
 
-# conversions that return their tensor itself where it already is what they make
-MAYBE_SAME = frozenset("""to type type_as contiguous float double half bfloat16 cpu cuda""".split())
+# conversions that return their tensor itself where it already is what they make (and
+# ``requires_grad_``, which sets a flag and returns its tensor: a hook that unfreezes a
+# parameter before its module's call does not use it)
+MAYBE_SAME = frozenset(
+    """to type type_as contiguous float double half bfloat16 cpu cuda requires_grad_""".split()
+)
 # operations that take a part of a tensor by position, and those that keep every entry of an
 # index of rows (see rows.follow_row_indices)
 PART_OF = frozenset(
