@@ -53,12 +53,12 @@ from .compare import hold
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
 from .records import (
-    NOTHING,
     Backward,
     CallLayout,
     CallState,
     Frame,
     HeldCall,
+    autocast_devices,
     autocast_off,
     graph_task,
     lowest_precision,
@@ -197,7 +197,9 @@ class BackwardWriter:
             return False
         if s.kept_backprops is not None:
             s.kept_backprops.record(target.module, call, graph_task())
-        bw = self.backward_state()
+        bw = s.tasks.get(graph_task())
+        if bw is None:  # (the backward's first: its record, begun)
+            bw = self.backward_state()
         # (lowest_precision of them all, one at a time: most often each is the one before)
         precision = state.precision
         for g in call.grad_outputs:
@@ -247,12 +249,12 @@ class BackwardWriter:
                     call = per_example_outputs(
                         target, layout, call, create_graph, self.state.precision
                     )
-            off = autocast_off()
-            if off is NOTHING:  # (autocast off already: no block to enter and leave per call)
-                self._backward(target, state.params, call, state.frame, bw, sums, layout)
+            params, frame = state.params, state.frame
+            if not bw.autocast:  # (the usual: no block to enter and leave per call)
+                self._backward(target, params, call, frame, bw, sums, layout, create_graph)
             else:
-                with off:
-                    self._backward(target, state.params, call, state.frame, bw, sums, layout)
+                with autocast_off(bw.autocast):
+                    self._backward(target, params, call, frame, bw, sums, layout, create_graph)
         except BaseException:
             self._abort_backward()
             raise
@@ -267,7 +269,10 @@ class BackwardWriter:
         bw: Backward | None = None,
         sums: dict[str, Tensor] | None = None,
         layout: CallLayout | None = None,
+        create_graph: bool | None = None,
     ) -> None:
+        """``create_graph``: whether grad mode is on in this backward (``torch.is_grad_enabled()``,
+        where the caller read it already)."""
         rule = target.entry.rule
         empty = examples_of_empty_call(self.state.batch_dim, call, frame, layout)
         try:
@@ -412,7 +417,7 @@ class BackwardWriter:
         s = self.state
         written, frame_ref = s.written, None if frame is None else frame.ref()
         # (a create_graph backward: grad1 gets a graph, never written in place)
-        in_place = not torch.is_grad_enabled()
+        in_place = not (torch.is_grad_enabled() if create_graph is None else create_graph)
         for pname, p in live.items():
             piece, pid = pieces[pname], id(p)
             if bw is not None and pid not in bw.before:
@@ -557,6 +562,9 @@ class BackwardWriter:
         if bw is None:
             nested = bool(self.state.tasks)  # (a backward inside another: reentrant checkpointing)
             bw = self.state.tasks[task] = Backward(set(), set(), {}, [], nested=nested)
+            # (autograd runs each of its nodes in the thread-local state it started in:
+            # autocast's among them, read once)
+            bw.autocast = autocast_devices()
             if nested:  # their gradients are split between the two: not verified
                 for other in self.state.tasks.values():
                     other.verify = frozenset()
@@ -814,7 +822,9 @@ class BackwardWriter:
             return
         if pid in self.state.direct and self.state.capturing_backward():
             self._direct_uses(pid, name)
-        bw = self.backward_state()
+        bw = self.state.tasks.get(graph_task())
+        if bw is None:
+            bw = self.backward_state()
         bw.computed.add(pid)
         # (capturing_backward() asked last: in the usual backward, no condition before it
         # holds)
