@@ -676,26 +676,30 @@ class BackwardWriter:
         the ``.grad`` every parameter was left with, for the next backward's start."""
         rounded, sizes = self.state.rounded, self.state.terms_scale
         if captured:  # (not one rolled back, or one that was not captured)
+            written, depth = self.state.written, self.state.depth
+            # (the usual: no half-precision terms in this backward, nor left by an earlier one)
+            plain = not (bw.rounded or bw.terms_scale or rounded or sizes)
             for pid, before in bw.before.items():
-                if pid in self.state.written:
-                    self.state.depth[pid] = (
-                        self.state.depth.get(pid, 1) + 1 if before is not None else 1
-                    )
-                    # the terms rounded one by one in what grad1 holds: those of every
-                    # backward accumulated into it since it last started afresh
-                    terms = bw.rounded.get(pid, 0)
-                    terms += rounded.get(pid, 0) if before is not None else 0
-                    size = bw.terms_scale.get(pid)
-                    if size is not None and before is not None and pid in sizes:
-                        size = size + sizes[pid]
-                    if terms:
-                        rounded[pid] = terms
-                    else:
-                        rounded.pop(pid, None)
-                    if size is not None:
-                        sizes[pid] = size
-                    elif before is None:
-                        sizes.pop(pid, None)
+                if pid not in written:
+                    continue
+                depth[pid] = depth.get(pid, 1) + 1 if before is not None else 1
+                if plain:
+                    continue  # (no terms to count, none to forget)
+                # the terms rounded one by one in what grad1 holds: those of every
+                # backward accumulated into it since it last started afresh
+                terms = bw.rounded.get(pid, 0)
+                terms += rounded.get(pid, 0) if before is not None else 0
+                size = bw.terms_scale.get(pid)
+                if size is not None and before is not None and pid in sizes:
+                    size = size + sizes[pid]
+                if terms:
+                    rounded[pid] = terms
+                else:
+                    rounded.pop(pid, None)
+                if size is not None:
+                    sizes[pid] = size
+                elif before is None:
+                    sizes.pop(pid, None)
             if not self.state.grad1:  # (no accumulation: the most in one backward)
                 for pid, terms in bw.rounded.items():
                     rounded[pid] = max(rounded.get(pid, 0), terms)
@@ -715,13 +719,16 @@ class BackwardWriter:
         self._put_back(bw)
         if not bw.capturing:
             return  # (its additions to .grad continue the accumulation, see GradTrail)
-        params = {pid: p for pid, p in self.state.written.items()}
+        params = dict(self.state.written)
+        known = self.state.params
         for pid in bw.reached:
-            if pid in self.state.params:
-                params.setdefault(pid, self.state.params[pid][1])
-        for p in self.state.trail.params():
-            params.setdefault(id(p), p)
-        self.state.trail.record(params.values(), bw.computed, bw.accumulated)
+            if pid not in params and pid in known:
+                params[pid] = known[pid][1]
+        trail = self.state.trail
+        if len(trail):
+            for p in trail.params():
+                params.setdefault(id(p), p)
+        trail.record(params, bw.computed, bw.accumulated)
 
     def set_aside(self, p: nn.Parameter, bw: Backward) -> None:
         """Before this backward first writes ``p.grad1``: a ``torch.autograd.grad`` that
