@@ -64,23 +64,26 @@ class GradTrail:
         return len(self._left)
 
     def record(
-        self, params: Iterable[nn.Parameter], computed: Iterable[int] = (),
-        added: Iterable[int] = (),
+        self, params: Iterable[nn.Parameter] | dict[int, nn.Parameter],
+        computed: Iterable[int] = (), added: Iterable[int] = (),
     ) -> None:  # fmt: skip
         """At the end of a backward (every gradient accumulated): what ``.grad`` holds now;
-        ``computed``, ``added``: the ids of the parameters whose gradient it computed, and of
-        those it added into ``.grad``."""
+        ``params``: the parameters (or ``{id: parameter}``); ``computed``, ``added``: the ids of
+        the parameters whose gradient it computed, and of those it added into ``.grad``."""
         added = set(added)
+        not_added = self._not_added
         for pid in computed:
             if pid in added:
-                self._not_added.discard(pid)
+                not_added.discard(pid)
             else:
-                self._not_added.add(pid)
-        for p in params:
+                not_added.add(pid)
+        items = params.items() if isinstance(params, dict) else ((id(p), p) for p in params)
+        left, seen = self._left, self._reset_seen
+        for pid, p in items:
             g = grad_of(p)
-            ref = None if g is None else weakref.ref(g)
-            self._left[id(p)] = (p, ref, -1 if g is None else _torch.version(g))
-            self._reset_seen.pop(id(p), None)
+            left[pid] = (p, None, -1) if g is None else (p, weakref.ref(g), _torch.version(g))
+            if seen:
+                seen.pop(pid, None)
 
     def left_alone(self, p: nn.Parameter) -> bool:
         """Whether the last captured backward left ``p.grad`` ``None`` and it still is, or

@@ -53,12 +53,12 @@ from .compare import hold
 from .memory import refuse_if_too_large
 from .plan import Target, higher_order, owner_name
 from .records import (
-    NOTHING,
     Backward,
     CallLayout,
     CallState,
     Frame,
     HeldCall,
+    autocast_devices,
     autocast_off,
     graph_task,
     half_precision,
@@ -198,7 +198,9 @@ class BackwardWriter:
             return False
         if s.kept_backprops is not None:
             s.kept_backprops.record(target.module, call, graph_task())
-        bw = self.backward_state()
+        bw = s.tasks.get(graph_task())
+        if bw is None:  # (the backward's first: its record, begun)
+            bw = self.backward_state()
         # (lowest_precision of them all, one at a time: most often each is the one before)
         precision = state.precision
         for g in call.grad_outputs:
@@ -248,12 +250,12 @@ class BackwardWriter:
                     call = per_example_outputs(
                         target, layout, call, create_graph, self.state.precision
                     )
-            off = autocast_off()
-            if off is NOTHING:  # (autocast off already: no block to enter and leave per call)
-                self._backward(target, state.params, call, state.frame, bw, sums, layout)
+            params, frame = state.params, state.frame
+            if not bw.autocast:  # (the usual: no block to enter and leave per call)
+                self._backward(target, params, call, frame, bw, sums, layout, create_graph)
             else:
-                with off:
-                    self._backward(target, state.params, call, state.frame, bw, sums, layout)
+                with autocast_off(bw.autocast):
+                    self._backward(target, params, call, frame, bw, sums, layout, create_graph)
         except BaseException:
             self._abort_backward()
             raise
@@ -268,7 +270,10 @@ class BackwardWriter:
         bw: Backward | None = None,
         sums: dict[str, Tensor] | None = None,
         layout: CallLayout | None = None,
+        create_graph: bool | None = None,
     ) -> None:
+        """``create_graph``: whether grad mode is on in this backward (``torch.is_grad_enabled()``,
+        where the caller read it already)."""
         rule = target.entry.rule
         empty = examples_of_empty_call(self.state.batch_dim, call, frame, layout)
         try:
@@ -422,7 +427,7 @@ class BackwardWriter:
         s = self.state
         written, frame_ref = s.written, None if frame is None else frame.ref()
         # (a create_graph backward: grad1 gets a graph, never written in place)
-        in_place = not torch.is_grad_enabled()
+        in_place = not (torch.is_grad_enabled() if create_graph is None else create_graph)
         for pname, p in live.items():
             piece, pid = pieces[pname], id(p)
             if bw is not None and pid not in bw.before:
@@ -582,6 +587,9 @@ class BackwardWriter:
         if bw is None:
             nested = bool(self.state.tasks)  # (a backward inside another: reentrant checkpointing)
             bw = self.state.tasks[task] = Backward(set(), set(), {}, [], nested=nested)
+            # (autograd runs each of its nodes in the thread-local state it started in:
+            # autocast's among them, read once)
+            bw.autocast = autocast_devices()
             if nested:  # their gradients are split between the two: not verified
                 for other in self.state.tasks.values():
                     other.verify = frozenset()
@@ -693,26 +701,30 @@ class BackwardWriter:
         the ``.grad`` every parameter was left with, for the next backward's start."""
         rounded, sizes = self.state.rounded, self.state.terms_scale
         if captured:  # (not one rolled back, or one that was not captured)
+            written, depth = self.state.written, self.state.depth
+            # (the usual: no half-precision terms in this backward, nor left by an earlier one)
+            plain = not (bw.rounded or bw.terms_scale or rounded or sizes)
             for pid, before in bw.before.items():
-                if pid in self.state.written:
-                    self.state.depth[pid] = (
-                        self.state.depth.get(pid, 1) + 1 if before is not None else 1
-                    )
-                    # the terms rounded one by one in what grad1 holds: those of every
-                    # backward accumulated into it since it last started afresh
-                    terms = bw.rounded.get(pid, 0)
-                    terms += rounded.get(pid, 0) if before is not None else 0
-                    size = bw.terms_scale.get(pid)
-                    if size is not None and before is not None and pid in sizes:
-                        size = size + sizes[pid]
-                    if terms:
-                        rounded[pid] = terms
-                    else:
-                        rounded.pop(pid, None)
-                    if size is not None:
-                        sizes[pid] = size
-                    elif before is None:
-                        sizes.pop(pid, None)
+                if pid not in written:
+                    continue
+                depth[pid] = depth.get(pid, 1) + 1 if before is not None else 1
+                if plain:
+                    continue  # (no terms to count, none to forget)
+                # the terms rounded one by one in what grad1 holds: those of every
+                # backward accumulated into it since it last started afresh
+                terms = bw.rounded.get(pid, 0)
+                terms += rounded.get(pid, 0) if before is not None else 0
+                size = bw.terms_scale.get(pid)
+                if size is not None and before is not None and pid in sizes:
+                    size = size + sizes[pid]
+                if terms:
+                    rounded[pid] = terms
+                else:
+                    rounded.pop(pid, None)
+                if size is not None:
+                    sizes[pid] = size
+                elif before is None:
+                    sizes.pop(pid, None)
             if not self.state.grad1:  # (no accumulation: the most in one backward)
                 for pid, terms in bw.rounded.items():
                     rounded[pid] = max(rounded.get(pid, 0), terms)
@@ -732,13 +744,16 @@ class BackwardWriter:
         self._put_back(bw)
         if not bw.capturing:
             return  # (its additions to .grad continue the accumulation, see GradTrail)
-        params = {pid: p for pid, p in self.state.written.items()}
+        params = dict(self.state.written)
+        known = self.state.params
         for pid in bw.reached:
-            if pid in self.state.params:
-                params.setdefault(pid, self.state.params[pid][1])
-        for p in self.state.trail.params():
-            params.setdefault(id(p), p)
-        self.state.trail.record(params.values(), bw.computed, bw.accumulated)
+            if pid not in params and pid in known:
+                params[pid] = known[pid][1]
+        trail = self.state.trail
+        if len(trail):
+            for p in trail.params():
+                params.setdefault(id(p), p)
+        trail.record(params, bw.computed, bw.accumulated)
 
     def set_aside(self, p: nn.Parameter, bw: Backward) -> None:
         """Before this backward first writes ``p.grad1``: a ``torch.autograd.grad`` that
@@ -839,7 +854,9 @@ class BackwardWriter:
             return
         if pid in self.state.direct and self.state.capturing_backward():
             self._direct_uses(pid, name)
-        bw = self.backward_state()
+        bw = self.state.tasks.get(graph_task())
+        if bw is None:
+            bw = self.backward_state()
         bw.computed.add(pid)
         # (capturing_backward() asked last: in the usual backward, no condition before it
         # holds)

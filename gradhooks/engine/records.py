@@ -224,6 +224,9 @@ class Backward:
     factors: dict[int, float] = field(default_factory=dict)
     batched: str | None = None  # an is_grads_batched backward (under vmap): what it reached
     inside: bool = False  # it reached a call whose forward ran during a backward
+    # the devices autocast is on for in it (autocast_devices, read at its start: the hooks'
+    # own products run with autocast off there)
+    autocast: tuple[str, ...] = ()
 
 
 @dataclass
@@ -412,14 +415,26 @@ def float32_products() -> torch.dtype | None:
     return torch.bfloat16 if found & {"bf16", "medium"} else None
 
 
-def autocast_off() -> contextlib.AbstractContextManager:
-    """Autocast switched off for the devices it is on for. The hooks' own products (pieces into
-    ``grad1``, norms, factors) run in the precision the engine chose for them
+def autocast_off(devices: tuple[str, ...] | None = None) -> contextlib.AbstractContextManager:
+    """Autocast switched off for the devices it is on for (``devices``: those, as
+    :func:`autocast_devices` gave them). The hooks' own products (pieces into ``grad1``, norms,
+    factors) run in the precision the engine chose for them
     (:meth:`gradhooks.pieces.Piece.in_dtype`), also where the backward runs inside the
     autocast block, which would otherwise cast them back to bfloat16 or float16."""
+    if devices is None:
+        devices = autocast_devices()
+    if not devices:
+        return NOTHING  # (the usual)
+    return _autocast_off(list(devices))
+
+
+def autocast_devices() -> tuple[str, ...]:
+    """The devices autocast is on for now (``()``, the usual: none). A backward runs in the
+    autocast state it started in (autograd hands its thread-local state to every node), so
+    that one reads it once (:attr:`Backward.autocast`)."""
     if not autocast_on():
-        return NOTHING  # (the usual: asked once per call of every backward)
-    return _autocast_off([d for d in ("cpu", "cuda") if autocast_enabled(d)])
+        return ()
+    return tuple(d for d in ("cpu", "cuda") if autocast_enabled(d))
 
 
 # what autocast_off gives where autocast is off (a caller may skip entering it)
