@@ -127,20 +127,21 @@ def tokens(b: int, t: int, seed: int, positive: bool) -> Tensor:
 
 
 class Net(nn.Module):
-    """Tokens ``[B, T, 3]``: ``mid`` on the batch-first tensor, or sequence-first where feature
-    0 is positive everywhere (the same shapes where ``T == B``); ``extra`` where switched on,
-    under ``torch.no_grad()`` where asked (a gate: its parameters get no gradient); ``mid``
-    again on the last token alone (``[B, 4]``) where asked."""
+    """Tokens ``[B, T, 3]``, normalized (a rule that keeps what the forward saved); ``mid`` on
+    the batch-first tensor, or sequence-first where feature 0 is positive everywhere (the same
+    shapes where ``T == B``); ``extra`` where switched on, under ``torch.no_grad()`` where
+    asked (a gate: its parameters get no gradient); ``mid`` again on the last token alone
+    (``[B, 4]``) where asked."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp, self.mid = nn.Linear(3, 4), nn.Linear(4, 4)
+        self.inp, self.norm, self.mid = nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 4)
         self.extra, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
         self.use_extra, self.gate, self.twice = False, False, False
 
     def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.norm(self.inp(x)))
         if bool((x[..., 0] > 0).all()):
             h = h + torch.tanh(self.mid(h.transpose(0, 1))).transpose(0, 1)
         else:

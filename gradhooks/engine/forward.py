@@ -411,15 +411,15 @@ class ForwardCapture:
         output: Tensor, tracker: Tracker,
     ) -> Any:  # fmt: skip
         """The forward hook's work (``body`` in :meth:`forward_hook`) for the usual call: one
-        tensor in, one tensor out and no keyword, of a module whose rule keeps neither taps
-        nor saved state, its examples where the tracker finds them on its input
-        (:meth:`CallLayouts._usual_layout`), outside autocast, a call run detached, a
-        transform and FSDP. The full path's steps, less the questions whose answers the
-        usual call fixes; what the module's last such call decided (the kind of its layout,
-        its precision, its record less its tensors) is replayed where what it was decided
-        from is the same, by identity, and decided again where not. :data:`FULL` (before
-        anything is changed: the full path then runs from the start) wherever the full path
-        would take another way, or might."""
+        tensor in, one tensor out and no keyword, of a module whose rule keeps no taps, its
+        examples where the tracker finds them on its input and output, on the dimension the
+        rule reads (:meth:`CallLayouts._usual_layout`), outside autocast, a call run detached,
+        a transform and FSDP. The full path's steps, less the questions whose answers the
+        usual call fixes; what the module's last such call decided (its layout, its
+        precision, its record less its tensors) is replayed where what it was decided from is
+        the same, by identity, and decided again where not. :data:`FULL` (before anything is
+        changed: the full path then runs from the start) wherever the full path would take
+        another way, or might."""
         state, entry = self.state, target.entry
         x = args[0] if len(args) == 1 else None
         if (
@@ -427,11 +427,25 @@ class ForwardCapture:
             or entry is FALLBACK
             or entry.on_forward is not None
             or entry.taps is not None
-            or entry.saved is not None
             or module is not target.module
             or state.removed
             or state.sharded
-            or not output.requires_grad
+        ):
+            return FULL
+        # its layout: CallLayouts.call_layout's for one input with examples where the rule
+        # reads them and one output with them, taken before the output is unviewed (which
+        # carries its layout over unchanged). Its input may be the forward's own (the batch
+        # is reseeded from it only where the examples are elsewhere, or the output's lost).
+        layouts = tracker.layouts
+        lx = layouts.get(x)
+        if lx is None or lx.dim < 0 or lx.owners is not None or tracker.reordered.entries:
+            return FULL
+        ly = layouts.get(output)
+        frame = state.frames[-1] if state.frames else None
+        if ly is None or ly is UNKNOWN or frame is None or frame.tracker is not tracker:
+            return FULL
+        if (
+            not output.requires_grad
             or not state.pause.on
             or not torch.is_grad_enabled()
             or autocast_on()
@@ -448,18 +462,6 @@ class ForwardCapture:
                     return FULL
         live = {n: p for n, p in params.items() if p.requires_grad}
         if not live:
-            return FULL
-        # its layout: CallLayouts.call_layout's for one input with examples where the rule
-        # reads them and one output with them, taken before the output is unviewed (which
-        # carries its layout over unchanged). Its first input may be the forward's own (the
-        # batch reseeded from it only where they are elsewhere, or the output's are lost).
-        layouts = tracker.layouts
-        lx = layouts.get(x)
-        if lx is None or lx.dim < 0 or lx.owners is not None or tracker.reordered.entries:
-            return FULL
-        ly = layouts.get(output)
-        frame = state.frames[-1] if state.frames else None
-        if ly is None or ly is UNKNOWN or frame is None or frame.tracker is not tracker:
             return FULL
         root = False
         for r in frame.roots:
@@ -484,7 +486,7 @@ class ForwardCapture:
             if kind is None:
                 return FULL
             layout = usual.layout = CallLayout(kind, batch, lx, (lx,), (ly,), root=root)
-            usual.dim = dim
+            usual.dim, usual.rows = dim, keeps_rows(layout)
         kind = layout.kind
         # from here on, as the full path does
         replaced = None
@@ -534,6 +536,10 @@ class ForwardCapture:
         if frame.products is not None and precision is torch.float32:
             precision = frame.products  # (its products rounded in bfloat16)
         call_state.precision = precision
+        if entry.saved is not None:
+            saved = entry.saved(module, args, kwargs, output)
+            if usual.rows or isinstance(saved, ModuleState):  # (the latter in any layout)
+                fields["saved"] = saved
         kept = KeptCall(target, call_state, call, args, kwargs, live, (0,), 1, None, 0)
         if state.collector is not None:
             state.collector.expect(live)
@@ -975,15 +981,19 @@ class ForwardCapture:
 
 class UsualCall:
     """What a hooked module's last usual call decided (:meth:`ForwardCapture.replay_usual`),
-    each with what it was decided from: the kind of its layout (from its input's layout and
-    the dimension its rule reads), its precision (from its input's and output's dtypes), and
-    its record less its tensors (from its handle's registry and hooked modules)."""
+    each replayed while what it was decided from is the same: its layout (from its input's and
+    output's layouts, the batch, whether its input is the forward's own and the dimension its
+    rule reads; a :class:`CallLayout` is never changed once made, and the calls that replay it
+    share it), whether its rule sees the rows as the forward ran them (from that layout), its
+    precision (from its input's and output's dtypes) and its record less its tensors (from
+    the module, its handle's registry and hooked modules, and its rule's memo)."""
 
-    __slots__ = ("layout", "dim", "dtypes", "precision", "call")
+    __slots__ = ("layout", "dim", "rows", "dtypes", "precision", "call")
 
     def __init__(self) -> None:
         self.layout: CallLayout | None = None
         self.dim: Any = None
+        self.rows = False  # keeps_rows(layout)
         self.dtypes: tuple = ()
         self.precision: torch.dtype | None = None
         self.call: Call | None = None
