@@ -694,9 +694,13 @@ def replayed_calls(monkeypatch):
     """The engine, but with a cache of where the examples are in each hooked call, kept from
     the previous forward: the j-th call of a module on arguments of given shapes gets the
     layout of the previous forward's j-th such call (a cache keyed on the module and the
-    shapes). Yields the number of call layouts replayed so far (``memory["replayed"]``)."""
-    from gradhooks.engine import calls
+    shapes). Yields the number of call layouts replayed so far (``memory["replayed"]``). The
+    engine's own replay of the usual call (:meth:`ForwardCapture.replay_usual`, which asks
+    again what a call's layout is made of) is off: every call's layout is this cache's."""
+    from gradhooks.engine import calls, forward
     from gradhooks.tracking import tracker as tracking
+
+    monkeypatch.setattr(forward.ForwardCapture, "replay_usual", lambda *a: forward.FULL)
 
     real_layout, real_enter = calls.CallLayouts.call_layout, tracking.Tracker.__enter__
     memory: dict = {"last": {}, "now": {}, "replayed": 0}

@@ -48,6 +48,7 @@ from .calls import (
     CallLayouts,
     Held,
     KeptCall,
+    _kind_of,
     _shapes,
     carry_layouts,
     input_tensors,
@@ -216,6 +217,9 @@ class ForwardCapture:
         return now
 
     def forward_hook(self, target: Target):
+        # what the module's last usual call decided, replayed by the next (replay_usual)
+        usual = UsualCall()
+
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             output = self.layer_outputs.take(module, output)
             found = self._buffers_of(module) if target.entry is FALLBACK else None
@@ -231,6 +235,10 @@ class ForwardCapture:
                 with tracker.paused():
                     reattached = self.detached_calls.reattach(module)
             with OwnWork(tracker):
+                if reattached is None and type(output) is Tensor and not kwargs:
+                    done = self.replay_usual(target, usual, module, args, kwargs, output, tracker)
+                    if done is not FULL:
+                        return done
                 return body(module, args, kwargs, output, tracker, used, found, reattached,
                             before)  # fmt: skip
 
@@ -398,6 +406,147 @@ class ForwardCapture:
             return replaced
 
         return hook
+
+    def replay_usual(
+        self, target: Target, usual: UsualCall, module: nn.Module, args: tuple, kwargs: dict,
+        output: Tensor, tracker: Tracker,
+    ) -> Any:  # fmt: skip
+        """The forward hook's work (``body`` in :meth:`forward_hook`) for the usual call: one
+        tensor in, one tensor out and no keyword, of a module whose rule keeps no taps, its
+        examples where the tracker finds them on its input and output, on the dimension the
+        rule reads (:meth:`CallLayouts._usual_layout`), outside autocast, a call run detached,
+        a transform and FSDP. The full path's steps, less the questions whose answers the
+        usual call fixes; what the module's last such call decided (its layout, its
+        precision, its record less its tensors) is replayed where what it was decided from is
+        the same, by identity, and decided again where not. :data:`FULL` (before anything is
+        changed: the full path then runs from the start) wherever the full path would take
+        another way, or might."""
+        state, entry = self.state, target.entry
+        x = args[0] if len(args) == 1 else None
+        if (
+            type(x) is not Tensor
+            or entry is FALLBACK
+            or entry.on_forward is not None
+            or entry.taps is not None
+            or module is not target.module
+            or state.removed
+            or state.sharded
+        ):
+            return FULL
+        # its layout: CallLayouts.call_layout's for one input with examples where the rule
+        # reads them and one output with them, taken before the output is unviewed (which
+        # carries its layout over unchanged). Its input may be the forward's own (the batch
+        # is reseeded from it only where the examples are elsewhere, or the output's lost).
+        layouts = tracker.layouts
+        lx = layouts.get(x)
+        if lx is None or lx.dim < 0 or lx.owners is not None or tracker.reordered.entries:
+            return FULL
+        ly = layouts.get(output)
+        frame = state.frames[-1] if state.frames else None
+        if ly is None or ly is UNKNOWN or frame is None or frame.tracker is not tracker:
+            return FULL
+        if (
+            not output.requires_grad
+            or not state.pause.on
+            or not torch.is_grad_enabled()
+            or autocast_on()
+            or _torch.mutation_on_saved_allowed()
+            or _torch.in_transform(args, kwargs, output)
+        ):
+            return FULL
+        # the parameters it writes grad1 for: with none used outside a call, those that
+        # require grad (body's `live`)
+        params, direct = target.params, tracker.param_sources
+        if direct:
+            for p in params.values():
+                if id(p) in direct:
+                    return FULL
+        live = {n: p for n, p in params.items() if p.requires_grad}
+        if not live:
+            return FULL
+        root = False
+        for r in frame.roots:
+            if r is x:
+                root = True
+                break
+        dim = entry.batch_dim
+        if callable(dim):
+            dim = dim(module)
+        batch = tracker.batch
+        layout = usual.layout
+        if (
+            layout is None
+            or lx is not layout.first
+            or ly is not layout.outputs[0]
+            or batch != layout.batch
+            or root is not layout.root
+            or dim != usual.dim
+            or type(dim) is not type(usual.dim)
+        ):
+            kind = _kind_of(dim, lx)
+            if kind is None:
+                return FULL
+            layout = usual.layout = CallLayout(kind, batch, lx, (lx,), (ly,), root=root)
+            usual.dim, usual.rows = dim, keeps_rows(layout)
+        kind = layout.kind
+        # from here on, as the full path does
+        replaced = None
+        if _torch.is_view(output):
+            old, output = output, unview(output)
+            tracker.carry(old, output)
+            replaced = output
+        slots = _in_slots(target)
+        template = usual.call
+        if (
+            template is None
+            or template.module is not module
+            or template.name is not target.name
+            or template.registry is not state.registry
+            or template.hooked is not state.hooked
+            or template.memo is not target.memo
+        ):
+            template = usual.call = Call(
+                module=module, inputs=(), kwargs={}, output=None, grad_outputs=(),
+                name=target.name, registry=state.registry, hooked=state.hooked,
+                memo=target.memo, autocast=(),
+            )  # fmt: skip
+        xd = x.detach()
+        call = object.__new__(Call)
+        fields = call.__dict__
+        fields.update(template.__dict__)
+        fields["inputs"] = (xd,)
+        fields["kwargs"] = {}
+        fields["output"] = output.detach() if entry.needs_output else None
+        fields["params"] = slots
+        fields["versions"] = {n: _torch.version(t) for n, t in slots.items()}
+        fields["modes"] = tuple([m.training for m in target.modules])
+        call_state = CallState(live, frame, layout=layout, versions=((xd, _torch.version(xd)),))
+        call_state.in_backward = graph_task() != -1
+        if call.output is not None:
+            call_state.out_versions = ((0, _torch.version(call.output)),)
+        tracker.note_call([x], [output], lambda outputs: self._made_shared(
+            target, call_state, 1, outputs, tracker))  # fmt: skip
+        frame.states.append(call_state)
+        frame.signature.append((id(target), kind))
+        if not frame.unprobed and _torch.saved_tensor_hooks_active():
+            frame.unprobed = True
+        dtypes = (x.dtype, output.dtype)
+        if dtypes != usual.dtypes:
+            usual.dtypes, usual.precision = dtypes, call_precision(args, output, False, [x, output])
+        precision = usual.precision
+        if frame.products is not None and precision is torch.float32:
+            precision = frame.products  # (its products rounded in bfloat16)
+        call_state.precision = precision
+        if entry.saved is not None:
+            saved = entry.saved(module, args, kwargs, output)
+            if usual.rows or isinstance(saved, ModuleState):  # (the latter in any layout)
+                fields["saved"] = saved
+        kept = KeptCall(target, call_state, call, args, kwargs, live, (0,), 1, None, 0)
+        if state.collector is not None:
+            state.collector.expect(live)
+        writer = self.backwards
+        _torch.late_hook(output, lambda g: writer.output_grads(kept, (g,)))
+        return replaced
 
     def _rule_dim(self, target: Target) -> int:
         if target.entry is FALLBACK:
@@ -858,6 +1007,30 @@ class ForwardCapture:
         # (read while the forward ends; kept, each call's state and the frame would refer to
         # each other, held until Python's cyclic garbage collector runs)
         frame.states = []
+
+
+class UsualCall:
+    """What a hooked module's last usual call decided (:meth:`ForwardCapture.replay_usual`),
+    each replayed while what it was decided from is the same: its layout (from its input's and
+    output's layouts, the batch, whether its input is the forward's own and the dimension its
+    rule reads; a :class:`CallLayout` is never changed once made, and the calls that replay it
+    share it), whether its rule sees the rows as the forward ran them (from that layout), its
+    precision (from its input's and output's dtypes) and its record less its tensors (from
+    the module, its handle's registry and hooked modules, and its rule's memo)."""
+
+    __slots__ = ("layout", "dim", "rows", "dtypes", "precision", "call")
+
+    def __init__(self) -> None:
+        self.layout: CallLayout | None = None
+        self.dim: Any = None
+        self.rows = False  # keeps_rows(layout)
+        self.dtypes: tuple = ()
+        self.precision: torch.dtype | None = None
+        self.call: Call | None = None
+
+
+# what replay_usual gives where the full path must run
+FULL = object()
 
 
 # what _note_rerun notes of a call whose inputs do not depend on the examples
