@@ -71,6 +71,15 @@ def _assert_loop(model, want: dict, what: str) -> None:
             assert_close(p.grad1.mean(0), p.grad, f"{what}: {n} vs .grad")
 
 
+def _next_step_as_the_loop(model, what: str) -> None:
+    """A step on a new batch after the misuse: ``grad1`` is the loop's again."""
+    x, y = _batch(1)
+    want = _loop(model, x, y)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    _assert_loop(model, want, what)
+
+
 def _max_norm(module, args):
     with torch.no_grad():
         module.weight.copy_(torch.renorm(module.weight, 2, 0, 0.5))
@@ -99,11 +108,7 @@ def test_a_global_forward_hook_that_centers_the_batch_registered_after_add_hooks
         finally:
             handle.remove()
         assert_untouched(model, before)
-        x, y = _batch(1)
-        want = _loop(model, x, y)
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        _assert_loop(model, want, "after the hook")
+        _next_step_as_the_loop(model, "after the hook")
 
 
 def test_a_weight_replaced_by_a_new_parameter_between_the_forward_and_its_backward():
@@ -122,11 +127,7 @@ def test_a_weight_replaced_by_a_new_parameter_between_the_forward_and_its_backwa
         assert_close(old.grad1.mean(0), old.grad, "the old weight vs .grad")
         assert model.l2.weight.grad is None and "grad1" not in model.l2.weight.__dict__
         _assert_loop(model, want, "the others")
-        x, y = _batch(1)
-        want = _loop(model, x, y)
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        _assert_loop(model, want, "the next step")
+        _next_step_as_the_loop(model, "the next step")
         assert "grad1" in model.l2.weight.__dict__
 
 
@@ -143,11 +144,7 @@ def test_a_bias_set_to_none_between_the_forward_and_its_backward():
         loss.backward()
         assert_close(old.grad1, want["l2.bias"], "the removed bias")
         assert_close(old.grad1.mean(0), old.grad, "the removed bias vs .grad")
-        x, y = _batch(1)
-        want = _loop(model, x, y)
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        _assert_loop(model, want, "the next step")
+        _next_step_as_the_loop(model, "the next step")
 
 
 def test_pruning_applied_between_the_forward_and_its_backward():
@@ -188,11 +185,7 @@ def test_weight_norm_registered_between_the_forward_and_its_backward():
         originals = model.l2.parametrizations.weight
         for p in (originals.original0, originals.original1):
             assert p.grad is None and "grad1" not in p.__dict__
-        x, y = _batch(1)
-        want = _loop(model, x, y)
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        _assert_loop(model, want, "the next step")
+        _next_step_as_the_loop(model, "the next step")
         assert "grad1" in originals.original0.__dict__
 
 
