@@ -49,7 +49,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
-from test_lib_sweep_seventh import BF16_TOL, autocast_gradients, build, own_gradients
+from test_lib_sweep_seventh import (
+    BF16_TOL,
+    autocast_gradients,
+    build,
+    cross_entropy,
+    mse,
+    own_gradients,
+)
 from test_lib_sweep_seventh import Spec as _Spec
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
@@ -109,16 +116,6 @@ def assert_refused(factory, error: type, says: list[str]) -> None:
 
     raised(error, says, run)
     assert all(getattr(p, "grad1", None) is None for p in spec.model.parameters())
-
-
-def cross_entropy(logits, target):
-    """Each example's summed token (or single) cross-entropy, the classes last."""
-    per = F.cross_entropy(logits.transpose(1, -1), target, reduction="none")
-    return per.flatten(1).sum(1) if per.dim() > 1 else per
-
-
-def mse(out, target):
-    return (out - target).pow(2).flatten(1).sum(1)
 
 
 # -- torch.nn's own blocks, as tutorials and projects use them -----------------------------------
