@@ -367,15 +367,76 @@ def test_layer_on_the_data_of_a_packed_sequence_is_refused(time):
                            "data of a PackedSequence"):  # fmt: skip
             model(packed)
     # without the layer on the data: the first state (zeros, the same for every example) meets
-    # it after 'hh', whose share of each example's gradient cannot be told: the backward says so
+    # it after 'hh', whose share of each example's gradient cannot be told: the backward says so;
+    # from the second step on, 'hh' is given the state computed from the data's rows (a
+    # function of each row, as the data itself is): refused at the forward
     model = StepByStep(ih=False).double()
     x = torch.randn(3, time, 3, dtype=torch.float64)
     packed = pack_padded_sequence(x, torch.tensor([time] * 3), batch_first=True)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
+        if time > 1:
+            with pytest.raises(gradhooks.UnsupportedError, match=r"'hh' \(Linear\): its input "
+                               r"\(\(3, 3\)\) is the data of a PackedSequence"):  # fmt: skip
+                model(packed)
+            return
         out = model(packed)
         with pytest.raises(gradhooks.BatchNotFoundError, match=r"'hh' \(Linear\): its inputs do not depend on "
                            r"the examples.*the data of a PackedSequence"):  # fmt: skip
             out.pow(2).sum().backward()
+
+
+class OnPackedData(nn.Module):
+    """A tagger that gives a Linear what an operation made of its LSTM's packed data (the
+    examples' time steps, packed longest first)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.rnn, self.fc = nn.LSTM(2, 3, batch_first=True), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return self.fc(self.op(out.data))
+
+
+# what each row of the packed data keeps apart and in place (its rows still the packed data),
+# and what regroups, moves or combines them
+ON_PACKED_DATA = {
+    "tanh": (torch.tanh, True),
+    "clone": (torch.clone, True),
+    "stacked and summed": (lambda d: torch.stack([d, d], 1).sum(1), True),
+    "matmul": (lambda d: d @ torch.eye(3, dtype=d.dtype), True),
+    "batched matmul": (lambda d: torch.bmm(d[None], torch.eye(3, dtype=d.dtype)[None])[0], False),
+    "regrouped by view": (lambda d: d.view(2, -1, 3).reshape(-1, 3), False),
+    "unflattened": (lambda d: d.unflatten(0, (2, -1)).flatten(0, 1), False),
+    "unsqueezed": (lambda d: d.unsqueeze(0).squeeze(0), False),
+    "transposed twice": (lambda d: d.swapaxes(0, 1).swapaxes(0, 1), False),
+    "summed along the rows": (lambda d: d - d.sum(0, keepdim=True), False),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ON_PACKED_DATA))
+def test_a_layer_on_what_is_made_of_packed_data_is_refused(what):
+    """A layer given what an operation made of a PackedSequence's data: refused at the forward,
+    naming the layer, also with ``verify=False`` (once, the data regrouped by a view or
+    unsqueezed was taken for a batch of blocks of rows, and ``grad1`` had a row per block,
+    with no error; transposed or stacked, the rule failed and the message blamed it): where
+    each row is kept apart and in place, saying that its input is the data of a
+    PackedSequence; the parameters get neither ``grad1`` nor ``.grad``."""
+    op, kept = ON_PACKED_DATA[what]
+    torch.manual_seed(0)
+    model = OnPackedData(op).double()
+    x, lengths = torch.randn(4, 5, 2, dtype=torch.float64), torch.tensor([5, 2, 4, 3])
+    with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
+        with pytest.raises(
+            (gradhooks.UnsupportedError, gradhooks.MixedExamplesError, gradhooks.BatchNotFoundError)
+        ) as caught:
+            model(x, lengths).pow(2).sum().backward()
+    assert "'fc' (Linear)" in str(caught.value)
+    if kept:
+        assert "is the data of a PackedSequence" in str(caught.value)
+    assert all(not hasattr(p, "grad1") and p.grad is None for p in model.parameters())
 
 
 def test_opacus_rnn_on_packed_sequences_of_one_step_is_refused():

@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from ... import _torch
-from ..layout import CONTRACTED, MIXED, UNKNOWN
+from ..layout import CONTRACTED, MIXED, PACKED, UNKNOWN, Layout
 from . import fft, indexing, joins, linalg, nn, pointwise, reductions, views  # noqa: F401 (each registers its handlers)
 from .common import HANDLERS, NeedsBatch, carries, is_inplace, op_name, out_tensors, tensor_args
 from .names import MAYBE_SAME
@@ -176,13 +176,17 @@ def output_layout(
     one of these cannot say where they went, its result is mixed (refused where it is used),
     never of unknown layout (which a rule would read as the batch). (An index or mask computed
     from them, which selects only, may be of unknown layout.) ``ins``: the tensors among the
-    arguments, where the caller has them."""
-    owned = False
+    arguments, where the caller has them. A PackedSequence's data (:data:`PACKED`) is
+    followed by :func:`_packed_rows`, but by the operations that read it as such."""
+    owned = packed = False
     for t in tensor_args(args, kwargs) if ins is None else ins:
         lay = layout_of(t)
-        if lay is not None and lay.owners is not None:
+        if lay is PACKED:
+            packed = True
+        elif lay is not None and lay.owners is not None:
             owned = True
-            break
+    if packed and name not in _READ_PACKED:
+        return _packed_rows(name, args, kwargs, out, layout_of, ins)
     if owned:
         lost = MIXED if any(map(carries, out_tensors(out))) else UNKNOWN
         if not owner_aware(name):
@@ -299,6 +303,55 @@ def quick_table() -> dict[Any, OpFacts]:
     about a tensor's metadata, or one that makes a new tensor), as torch's operator schemas
     are read now (filled as :func:`facts` meets them)."""
     return _QUICK[_torch.available("op_schema")]
+
+
+# the operations whose handlers read a PackedSequence's data as such (its batch sizes beside it)
+_READ_PACKED = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu", "_pad_packed_sequence"})
+
+
+def _packed_rows(name: str, args: tuple, kwargs: dict, out: Any, layout_of, ins):
+    """The layouts of ``out`` where an input is a PackedSequence's data (:data:`PACKED`: each
+    row one example's time step, the examples' steps packed longest first), for an operation
+    that does not read it as such: asked of its handler as if each row were an example of a
+    batch on dimension 0. What keeps every row apart and in place (a function of each row:
+    ``F.linear``, an activation, dropout, a norm over the features) is such data again; rows
+    picked in their order (a slice) are part of it; rows combined (a sum or a cumulative sum
+    along them) are mixed; anything else (rows reordered, moved to another dimension,
+    reshaped: ``d.view(2, -1, F)``, which no handler may take for blocks of examples) is
+    unknown. An input of another layout beside it: unknown."""
+    tensors = tensor_args(args, kwargs) if ins is None else ins
+    rows = None
+    for t in tensors:
+        lay = layout_of(t)
+        if lay is PACKED:
+            rows = t.shape[0] if t.dim() else None
+        elif lay is not None:
+            return UNKNOWN
+    if rows is None:
+        return UNKNOWN
+    as_rows = Layout(0)
+
+    def rows_of(t: Any) -> Layout | None:
+        lay = layout_of(t)
+        return as_rows if lay is PACKED else lay
+
+    found = _output_layout(name, args, kwargs, out, rows_of, rows)
+
+    def back(lay: Any) -> Any:
+        if lay is None or lay is MIXED or lay is CONTRACTED:
+            return lay
+        if lay == as_rows:
+            return PACKED
+        owners = getattr(lay, "owners", None)
+        if lay.dim == 0 and owners is not None and not owners.shuffled:
+            picked = owners.rows
+            if picked.numel() < 2 or bool((picked[1:] > picked[:-1]).all()):
+                return PACKED  # (rows picked in their order: part of the data)
+        return UNKNOWN
+
+    if isinstance(found, list):
+        return [back(lay) for lay in found]
+    return back(found)
 
 
 def _output_layout(name: str, args: tuple, kwargs: dict, out: Any, layout_of, batch: int):
