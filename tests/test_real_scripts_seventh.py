@@ -1,0 +1,349 @@
+"""Published training scripts, a seventh set, rewritten small, with gradhooks put where their
+users put it, each step checked against the float64 per-example loop.
+
+As in the other sets (``test_real_scripts*.py``): each test follows one script of a public
+repository (cited in its docstring: repository and path), its model and its loop as written
+there, at tiny sizes, on synthetic data, in float64 where the script allows. Here gradhooks
+takes the place of the per-example machinery of scripts the other sets leave out: the
+fast-dpsgd benchmark's BackPACK DP-SGD optimizer (its ``grad_batch`` and ``batch_l2`` are
+``grad1`` and its squares over the batch size, on the models BackPACK could not run there:
+the embedding bag of words and the sequence-first LSTM) and its Opacus LSTM with a fixed
+random initial state per example, DeepCore's GraNd scores from its embedding recorder,
+FLSim's sample-level DP clients under a server's FedAvg with a learning rate, fairscale's
+AdaScale gain (its variance of micro-batch gradients, here the examples' own), and the Fisher
+forgetting of "Eternal Sunshine of the Spotless Net" (a backward per class, weighted by the
+model's probabilities). At every step what the script computes from gradhooks (the update,
+the scores, the gain, the Fisher, the scrubbed weights) is compared with the same computed
+from each example's own gradient by a float64 loop; where a step draws noise, the noise is
+drawn again from a generator of the same seed. Where the script's own form is refused (a
+mean loss handed to the DP optimizer, batch norm in training), the test checks the refusal,
+that it left the model as it was, and its remedy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_real_scripts_fifth import assert_all, flat, loop
+from torch import nn
+
+import gradhooks
+from harness import (  # noqa: F401 (one_thread: autouse)
+    assert_untouched,
+    model_state,
+    one_thread,
+    raised,
+)
+
+D = torch.float64
+
+
+# -- TheSalon/fast-dpsgd: BackPACK's DP_SGD on grad1, and the models BackPACK left out ----------
+
+
+class EmbeddingNet(nn.Module):
+    """fast-dpsgd's ``pytorch.py`` ``EmbeddingNet``: the mean of the tokens' embeddings
+    (vocabulary plus four special tokens) and a linear head."""
+
+    def __init__(self, vocab: int = 10, dim: int = 4):
+        super().__init__()
+        self.emb, self.fc1 = nn.Embedding(vocab + 4, dim), nn.Linear(dim, 2)
+
+    def forward(self, x):
+        return self.fc1(self.emb(x).mean(1))
+
+
+class LSTMNet(nn.Module):
+    """``pytorch.py``'s ``LSTMNet``: the embeddings transposed to ``[seq, batch, dim]`` for a
+    sequence-first ``nn.LSTM``, its outputs averaged over time, a linear head."""
+
+    def __init__(self, vocab: int = 10, dim: int = 4):
+        super().__init__()
+        self.emb, self.lstm = nn.Embedding(vocab + 4, dim), nn.LSTM(dim, dim)
+        self.fc1 = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        x, _ = self.lstm(self.emb(x).transpose(0, 1))
+        return self.fc1(x.mean(0))
+
+
+class MNISTNet(nn.Module):
+    """``pytorch.py``'s ``MNISTNet`` in miniature: two strided ReLU convolutions each followed
+    by a stride-1 max pool, two linear layers (15x15 images)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 4, 4, 2, padding=1), nn.Conv2d(4, 6, 2, 2)
+        self.fc1, self.fc2 = nn.Linear(6 * 2 * 2, 8), nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2, 1)  # [B, 4, 6, 6]
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2, 1)  # [B, 6, 2, 2]
+        return self.fc2(F.relu(self.fc1(x.view(-1, 6 * 2 * 2))))
+
+
+class Logistic(nn.Module):
+    """``pytorch.py``'s ``Logistic``: one linear unit and a sigmoid (``nn.BCELoss`` on it)."""
+
+    def __init__(self, features: int = 6):
+        super().__init__()
+        self.fc1 = nn.Linear(features, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc1(x))
+
+
+def fast_dpsgd_batch(kind: str, g: torch.Generator, n: int = 6):
+    if kind in ("embed", "lstm"):
+        return torch.randint(14, (n, 5), generator=g), torch.randint(2, (n,), generator=g)
+    if kind == "mnist":
+        return torch.randn(n, 1, 15, 15, generator=g, dtype=D), torch.randint(10, (n,), generator=g)
+    x = torch.randn(n, 6, generator=g, dtype=D)
+    return x, torch.randint(2, (n, 1), generator=g).to(D)
+
+
+FAST_DPSGD = {  # model, the script's (max_norm, stddev): dpsgd_kwargs, and its commented lines
+    "embed": (EmbeddingNet, 1.0, 1.1),
+    "lstm": (LSTMNet, 1.0, 1.1),
+    "mnist": (MNISTNet, 0.01, 2.0),
+    "logreg": (Logistic, 1.0, 1.1),
+}
+
+
+def backpack_dp_sgd_step(params, grad_batch, batch_l2, lr, max_norm, stddev, noise) -> None:
+    """``backpackdp.py``'s ``DP_SGD.step`` as written: the total norms from ``batch_l2``, the
+    factor ``clamp_max(total / max_norm, 1.0)`` (sic: it is ``min(1, ‖g‖/C)``), the scaled
+    rows of ``grad_batch`` summed, noise ``stddev · max_norm`` added, a plain SGD step."""
+    total = torch.sqrt(torch.stack(batch_l2).sum(0))
+    factors = torch.clamp_max(total / max_norm, 1.0)
+    with torch.no_grad():
+        for p, gb in zip(params, grad_batch, strict=True):
+            clipped = (gb * factors.reshape(-1, *[1] * (gb.dim() - 1))).sum(0)
+            z = torch.randn(clipped.shape, generator=noise, dtype=clipped.dtype)
+            p.add_(-lr * (clipped + z * stddev * max_norm))
+
+
+@pytest.mark.parametrize("kind", list(FAST_DPSGD))
+def test_fast_dpsgd_backpack_dp_sgd_on_grad1_over_the_batch_size(kind):
+    """TheSalon/fast-dpsgd ``backpackdp.py``: the model of ``pytorch.py`` (``extend``-ed), a
+    mean ``CrossEntropyLoss`` (``BCELoss`` for logistic regression) backpropagated under
+    ``backpack(BatchGrad(), BatchL2Grad())``, and ``DP_SGD.step`` reading each parameter's
+    ``grad_batch`` (each example's gradient of the *mean* loss: its own over the batch size)
+    and ``batch_l2`` (their squared norms). BackPACK has no LSTM or embedding extension, so
+    the script leaves ``lstm`` and ``embed`` commented out; with ``add_hooks(model)`` the
+    same step takes ``grad_batch = grad1 / B`` and ``batch_l2 = (grad1 / B)²`` summed, on
+    every model, and over 3 steps ``grad1``, the norms and the weights after each step are
+    the float64 loop's (the noise drawn from a generator of the same seed for both)."""
+    factory, max_norm, stddev = FAST_DPSGD[kind]
+    torch.manual_seed(0)
+    model = factory().to(D)
+    twin = copy.deepcopy(model)
+    loss_fn = nn.CrossEntropyLoss() if kind != "logreg" else nn.BCELoss()
+    g = torch.Generator().manual_seed(3)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(3):
+            x, y = fast_dpsgd_batch(kind, g)
+            b = len(x)
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+            want = loop(twin, lambda xi, yi: loss_fn(twin(xi), yi), x, y)
+            got = {n: p.grad1 for n, p in model.named_parameters()}
+            assert_all(got, want, f"{kind} step {step}: grad1")
+            norms = h.norms()  # (the hooks' own, not from grad1)
+            torch.testing.assert_close(norms, flat(want).norm(dim=1), rtol=1e-9, atol=1e-12)
+            params = list(model.parameters())
+            batch = [p.grad1 / b for p in params]
+            backpack_dp_sgd_step(params, batch, [r.flatten(1).square().sum(1) for r in batch],
+                                 0.5, max_norm, stddev, torch.Generator().manual_seed(step))  # fmt: skip
+            ref = [w / b for w in want.values()]
+            backpack_dp_sgd_step(list(twin.parameters()), ref,
+                                 [r.flatten(1).square().sum(1) for r in ref],
+                                 0.5, max_norm, stddev, torch.Generator().manual_seed(step))  # fmt: skip
+            assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
+                       f"{kind} step {step}: weights")  # fmt: skip
+    assert not any(hasattr(p, "grad1") for p in twin.parameters())
+
+
+class OpacusLSTMNet(nn.Module):
+    """``opacusdp.py``'s ``LSTMNet``: a ``batch_first`` LSTM (Opacus' ``DPLSTM`` there) started
+    from a random initial state drawn once, ``[1, batch_size, hidden]``, kept on the model
+    as a plain tensor and given to every forward: row ``i`` of it is example ``i``'s."""
+
+    def __init__(self, batch_size: int, vocab: int = 10, dim: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab + 4, dim)
+        self.h_init = torch.randn(1, batch_size, dim, dtype=D)
+        self.c_init = torch.randn(1, batch_size, dim, dtype=D)
+        self.hidden = (self.h_init, self.c_init)
+        self.lstm, self.fc1 = nn.LSTM(dim, dim, batch_first=True), nn.Linear(dim, 2)
+
+    def forward(self, x):
+        x, _ = self.lstm(self.emb(x), self.hidden)
+        return self.fc1(x.mean(1))
+
+
+def test_fast_dpsgd_opacus_lstm_with_a_random_initial_state_per_example():
+    """TheSalon/fast-dpsgd ``opacusdp.py``: the LSTM model with its fixed random initial
+    state of the batch's size, Opacus' ``PrivacyEngine(batch_size=..., noise_multiplier=σ,
+    max_grad_norm=C).attach(optimizer)`` on SGD, and the script's ``loss.backward()`` of the
+    mean ``CrossEntropyLoss``. With ``add_hooks(model, quantities=("norms",))`` and
+    ``DPOptimizer(SGD, max_grad_norm=C, noise_multiplier=σ, expected_batch_size=B)`` in the
+    engine's place, the script's mean loss handed to ``opt.backward`` is refused (a
+    ``ConfigurationError`` that asks for the ``[batch]`` losses, the model, its ``.grad`` and
+    its hooks as they were); the remedy, ``reduction="none"``, gives over 3 steps the norms
+    of the float64 loop, in which example ``i`` starts from row ``i`` of the initial state,
+    and weights that are the loop's clipped mean plus the noise of the same seed."""
+    B, C, SIGMA, LR = 5, 1.0, 1.1, 0.5
+    torch.manual_seed(0)
+    model = OpacusLSTMNet(B).to(D)
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    hooks = gradhooks.add_hooks(model, quantities=("norms",))
+    opt = gradhooks.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0), hooks, max_grad_norm=C,
+        noise_multiplier=SIGMA, expected_batch_size=B, generator=torch.Generator().manual_seed(9),
+    )  # fmt: skip
+    x, y = torch.randint(14, (B, 6), generator=g), torch.randint(2, (B,), generator=g)
+    loss = nn.CrossEntropyLoss()(model(x), y)  # the script's mean loss
+    before = model_state(model)
+    raised(gradhooks.ConfigurationError, ["[batch]", "reduction"], lambda: opt.backward(loss))
+    assert_untouched(model, before)
+    noise = torch.Generator().manual_seed(9)
+    for step in range(3):
+        x, y = torch.randint(14, (B, 6), generator=g), torch.randint(2, (B,), generator=g)
+        norms = opt.backward(F.cross_entropy(model(x), y, reduction="none"))
+        opt.step()
+        opt.zero_grad()
+        rows = []
+        with gradhooks.paused():
+            for i in range(B):
+                twin.hidden = (twin.h_init[:, i : i + 1], twin.c_init[:, i : i + 1])
+                grads = torch.autograd.grad(F.cross_entropy(twin(x[i : i + 1]), y[i : i + 1]),
+                                            list(twin.parameters()))  # fmt: skip
+                rows.append(torch.cat([gr.flatten() for gr in grads]))
+        per = torch.stack(rows)
+        torch.testing.assert_close(norms, per.norm(dim=1), rtol=1e-9, atol=1e-12)
+        factors = (C / per.norm(dim=1)).clamp(max=1.0)
+        update = (factors[:, None] * per).sum(0)
+        with torch.no_grad():
+            offset = 0
+            for p in twin.parameters():
+                z = torch.randn(p.shape, generator=noise, dtype=D)
+                grad = (update[offset : offset + p.numel()].view_as(p) + SIGMA * C * z) / B
+                p.sub_(LR * grad)
+                offset += p.numel()
+        assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
+                   f"step {step}: weights")  # fmt: skip
+    hooks.remove()
+
+
+# -- PatrickZH/DeepCore: GraNd from the embedding recorder ------------------------------------
+
+
+class EmbeddingRecorder(nn.Module):
+    """DeepCore's ``nets/nets_utils/recorder.py``: the identity, keeping its input when asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.record_embedding = False
+
+    def forward(self, x):
+        if self.record_embedding:
+            self.embedding = x
+        return x
+
+
+class DeepCoreResNet(nn.Module):
+    """DeepCore's ``nets/resnet.py`` in miniature: a convolution with batch norm, one basic
+    block, global average pooling, the embedding recorder and the last linear layer
+    (``get_last_layer``), the forward under ``set_grad_enabled(not self.no_grad)``."""
+
+    def __init__(self, classes: int = 3, width: int = 4):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width)
+        self.embedding_recorder, self.linear = EmbeddingRecorder(), nn.Linear(width, classes)
+        self.no_grad = False
+
+    def get_last_layer(self):
+        return self.linear
+
+    def forward(self, x):
+        with torch.set_grad_enabled(not self.no_grad):
+            out = F.relu(self.bn1(self.conv1(x)))
+            out = F.relu(out + self.bn2(self.conv2(out)))
+            out = self.embedding_recorder(F.adaptive_avg_pool2d(out, 1).flatten(1))
+            return self.linear(out)
+
+
+def test_deepcore_grand_scores_from_the_last_layers_grad1_in_eval_mode():
+    """PatrickZH/DeepCore ``deepcore/methods/grand.py`` (on ``earlytrain.py``'s loop): each
+    of ``repeat`` runs trains a fresh ResNet for a few epochs (SGD, momentum, nesterov,
+    weight decay, the mean ``CrossEntropyLoss``, batch norm in training), then ``finish_run``
+    scores every example in eval mode: the batch's mean cross-entropy *of the softmax* of
+    the outputs (as written), its gradient with respect to the outputs (``bias_parameters
+    _grads``, each row example ``i``'s own over the batch's size) and its outer product with
+    the recorded embedding, whose norm is the last layer's gradient's; the scores averaged
+    over the runs pick the coreset. With ``add_hooks(model.get_last_layer())`` around the
+    scoring the score is ``‖grad1‖ / B`` of the linear layer's weight and bias, and over 2
+    runs of batches of 4, 4 and 2 the scores are the script's and the float64 loop's, and
+    the coreset the same. Hooked during training, the batch norms' batch statistics are
+    refused at the forward (``MixedExamplesError`` naming the layer and the remedy, the
+    script's own eval mode), leaving the model as it was."""
+    N, SEL, CLASSES, REPEAT, EPOCHS = 10, 4, 3, 2, 2
+    g = torch.Generator().manual_seed(5)
+    data = torch.randn(N, 3, 5, 5, generator=g, dtype=D)
+    targets = torch.randint(CLASSES, (N,), generator=g)
+    criterion = nn.CrossEntropyLoss()
+    scores = {"hooks": torch.zeros(N, REPEAT, dtype=D), "script": torch.zeros(N, REPEAT, dtype=D),
+              "loop": torch.zeros(N, REPEAT, dtype=D)}  # fmt: skip
+    for run in range(REPEAT):
+        torch.manual_seed(run)
+        model = DeepCoreResNet(CLASSES).to(D)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4,
+                              nesterov=True)  # fmt: skip
+        if run == 0:  # hooked while training: refused
+            before = model_state(model)
+            with gradhooks.add_hooks(model):
+                raised(gradhooks.MixedExamplesError, ["'bn1'", "model.eval()"],
+                       lambda m=model: criterion(m(data[:SEL]), targets[:SEL]).backward())  # fmt: skip
+            assert_untouched(model, before)
+        for _ in range(EPOCHS):
+            for idx in torch.randperm(N, generator=g).split(SEL):
+                opt.zero_grad()
+                criterion(model(data[idx]), targets[idx]).mean().backward()
+                opt.step()
+        model.embedding_recorder.record_embedding = True
+        model.eval()
+        last = model.get_last_layer()
+        with gradhooks.add_hooks(last):
+            for idx in torch.arange(N).split(SEL):
+                opt.zero_grad()
+                outputs = model(data[idx])
+                loss = criterion(F.softmax(outputs, dim=1), targets[idx]).sum()
+                b = len(idx)
+                out_grad = torch.autograd.grad(loss, outputs, retain_graph=True)[0]
+                emb = model.embedding_recorder.embedding.detach()
+                script = torch.cat(
+                    [out_grad, (emb[:, None, :] * out_grad[:, :, None]).flatten(1)], 1
+                )
+                scores["script"][idx, run] = script.norm(dim=1)
+                loss.backward()
+                rows = torch.cat([last.bias.grad1, last.weight.grad1.flatten(1)], 1)
+                scores["hooks"][idx, run] = rows.norm(dim=1) / b
+                per = loop(last, lambda xi, yi, m=model: criterion(F.softmax(m(xi), 1), yi),
+                           data[idx], targets[idx])  # fmt: skip
+                want = torch.cat([per["bias"], per["weight"].flatten(1)], 1).norm(dim=1) / b
+                scores["loop"][idx, run] = want
+        model.embedding_recorder.record_embedding = False
+        model.train()
+    for name in ("hooks", "script"):
+        torch.testing.assert_close(scores[name], scores["loop"], rtol=1e-9, atol=1e-14,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+    picks = {k: v.mean(1).argsort(descending=True)[: N // 2] for k, v in scores.items()}
+    assert torch.equal(picks["hooks"], picks["loop"]) and torch.equal(
+        picks["script"], picks["loop"]
+    )
