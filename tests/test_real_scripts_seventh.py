@@ -347,3 +347,93 @@ def test_deepcore_grand_scores_from_the_last_layers_grad1_in_eval_mode():
     assert torch.equal(picks["hooks"], picks["loop"]) and torch.equal(
         picks["script"], picks["loop"]
     )
+
+
+# -- facebookresearch/FLSim: sample-level DP clients under a server's FedAvg -------------------
+
+
+class SimpleConvNet(nn.Module):
+    """FLSim's ``flsim/utils/example_utils.py`` ``SimpleConvNet`` in miniature: two ReLU
+    convolutions each max-pooled, two linear layers."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 2)
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)  # [B, 4, 2, 2] from 6x6
+        x = F.max_pool2d(F.relu(self.conv2(x)), 1)  # [B, 4, 1, 1]
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def test_flsim_dp_clients_expected_batch_of_the_first_and_fedavg_with_a_server_lr():
+    """facebookresearch/FLSim ``flsim/clients/dp_client.py`` with ``flsim/servers/
+    sync_servers.py`` and ``flsim/optimizers/server_optimizers.py``: each round every client
+    trains a copy of the global model; ``prepare_for_training`` wraps it in a fresh
+    ``GradSampleModule`` and its local SGD in Opacus' ``DPOptimizer`` with
+    ``expected_batch_size`` the size of the client's *first* batch (a smaller last batch is
+    still divided by it) and a generator seeded by the config's ``noise_seed`` (so every
+    client draws the same noise, as written); ``post_train`` takes the hooks off again
+    (``to_standard_module``). The server averages the clients' deltas (global less local)
+    weighted by their numbers of examples and steps ``FedAvgWithLROptimizer`` (SGD with a
+    learning rate and momentum) on them. With ``add_hooks(model, quantities=("norms",))``
+    and ``gradhooks.DPOptimizer`` in each client, removed after its local epoch, over 2
+    rounds of 2 clients (7 and 5 examples in batches of 3) every client's weights, and the
+    global model after each round, are those of the float64 loop's clipped sums."""
+    C, SIGMA, BS, LR, SEED = 1.0, 0.8, 3, 0.1, 11
+    g = torch.Generator().manual_seed(6)
+    clients = [
+        (torch.randn(n, 3, 6, 6, generator=g, dtype=D), torch.randint(3, (n,), generator=g))
+        for n in (7, 5)
+    ]
+    torch.manual_seed(0)
+    glob = SimpleConvNet().to(D)
+    ref_glob = copy.deepcopy(glob)
+    server = torch.optim.SGD(glob.parameters(), lr=1.0, momentum=0.9)
+    ref_server = torch.optim.SGD(ref_glob.parameters(), lr=1.0, momentum=0.9)
+    for rnd in range(2):
+        deltas, ref_deltas, weights = [], [], []
+        for x, y in clients:
+            model, twin = copy.deepcopy(glob), copy.deepcopy(ref_glob)
+            hooks = gradhooks.add_hooks(model, quantities=("norms",))
+            opt = gradhooks.DPOptimizer(
+                torch.optim.SGD(model.parameters(), lr=LR), hooks, max_grad_norm=C,
+                noise_multiplier=SIGMA, expected_batch_size=BS,
+                generator=torch.Generator().manual_seed(SEED),
+            )  # fmt: skip
+            noise = torch.Generator().manual_seed(SEED)
+            for xb, yb in zip(x.split(BS), y.split(BS), strict=True):
+                norms = opt.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+                opt.step()
+                opt.zero_grad()
+                per = loop(twin, lambda xi, yi, t=twin: F.cross_entropy(t(xi), yi), xb, yb)
+                torch.testing.assert_close(norms, flat(per).norm(dim=1), rtol=1e-9, atol=1e-12)
+                factors = (C / flat(per).norm(dim=1)).clamp(max=1.0)
+                with torch.no_grad():
+                    for (_, p), rows in zip(twin.named_parameters(), per.values(), strict=True):
+                        z = torch.randn(p.shape, generator=noise, dtype=D)
+                        p.sub_(
+                            LR * (torch.einsum("b,b...->...", factors, rows) + SIGMA * C * z) / BS
+                        )
+                assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
+                           f"round {rnd}, {len(x)} examples: weights")  # fmt: skip
+            hooks.remove()  # post_train: to_standard_module()
+            assert all(sum(counts) == 0 for _, counts in model_state(model)["hooks"])
+            deltas.append(
+                [pg.detach() - pl.detach() for pg, pl in zip(glob.parameters(), model.parameters())]
+            )
+            ref_deltas.append(
+                [
+                    pg.detach() - pl.detach()
+                    for pg, pl in zip(ref_glob.parameters(), twin.parameters())
+                ]
+            )
+            weights.append(len(x))
+        for server_opt, model, ds in ((server, glob, deltas), (ref_server, ref_glob, ref_deltas)):
+            server_opt.zero_grad()
+            for k, p in enumerate(model.parameters()):
+                p.grad = sum(w * d[k] for w, d in zip(weights, ds)) / sum(weights)
+            server_opt.step()
+        assert_all(dict(glob.named_parameters()), dict(ref_glob.named_parameters()),
+                   f"round {rnd}: the global model")  # fmt: skip
