@@ -554,3 +554,115 @@ def test_fairscale_adascale_gain_from_per_example_norms_as_micro_batches_of_one(
                 with torch.no_grad():
                     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
                         q.copy_(p)
+
+
+# -- AdityaGolatkar/SelectiveForgetting: the Fisher of "Eternal Sunshine", class by class ------
+
+
+class AllCNN(nn.Module):
+    """SelectiveForgetting's ``models.py`` ``AllCNN`` in miniature: convolutions with batch
+    norm and ReLU (one strided), a 1x1 convolution, average pooling and the ``classifier``."""
+
+    def __init__(self, classes: int = 3, width: int = 4):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride=2, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )  # fmt: skip
+        self.classifier = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def fisher_mean_var(p, acc2, classes: int, forget: int, alpha: float):
+    """The notebook's ``get_mean_var``: the variance is the inverse Fisher, clamped, averaged
+    over each output unit's inputs, the forgotten class's row set to a small variance around
+    zero, the classifier's and the 1-d parameters' variances times 10."""
+    var = (1.0 / (acc2 + 1e-8)).clamp(max=1e3)
+    if p.size(0) == classes:
+        var = var.clamp(max=1e2)
+    var = alpha * var
+    if p.ndim > 1:
+        var = var.mean(dim=1, keepdim=True).expand_as(p).clone()
+    mu = p.detach().clone()
+    if p.size(0) == classes:
+        mu[forget] = 0
+        var[forget] = 0.0001
+        var = var * 10
+    elif p.ndim == 1:
+        var = var * 10
+    return mu, var
+
+
+def test_fisher_forgetting_hessian_a_backward_per_class_from_grad1_then_the_scrub():
+    """AdityaGolatkar/SelectiveForgetting ``main.ipynb``: after training, ``hessian(dataset,
+    model)`` puts the model in eval mode and, one retained example at a time (a
+    ``DataLoader`` of batch size 1), backpropagates the cross-entropy of every class ``y``
+    (``retain_graph=True``), adding to ``p.grad_acc`` the gradient of the true class and to
+    ``p.grad2_acc`` the squared gradient weighted by the model's probability of ``y``, then
+    divides by the number of examples; ``get_mean_var`` turns ``grad2_acc`` into the noise
+    of the Fisher scrub (the forgotten class's classifier row set to zero). With
+    ``add_hooks(model, "sum")`` the whole retained set is one forward and one backward per
+    class of the summed losses, ``grad_acc`` the sum of ``grad1`` over the examples of that
+    class and ``grad2_acc`` the probability-weighted sum of ``grad1`` squared: both are the
+    notebook's per-example loop's in float64 (batch norm in eval mode), and so are the
+    scrubbed weights drawn with the same seed."""
+    N, CLASSES, FORGET, ALPHA = 9, 3, 1, 1e-6
+    torch.manual_seed(0)
+    model = AllCNN(CLASSES).to(D)
+    g = torch.Generator().manual_seed(10)
+    x, labels = (
+        torch.randn(N, 3, 6, 6, generator=g, dtype=D),
+        torch.randint(CLASSES, (N,), generator=g),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(3):  # trained (batch norm in training, not hooked)
+        opt.zero_grad()
+        F.cross_entropy(model(x), labels).backward()
+        opt.step()
+    twin = copy.deepcopy(model)
+    # the notebook's loop, on the float64 twin
+    twin.eval()
+    acc = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
+    acc2 = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
+    for i in range(N):
+        output = twin(x[i : i + 1])
+        prob = F.softmax(output, dim=-1).detach()
+        for y in range(CLASSES):
+            target = torch.full_like(labels[i : i + 1], y)
+            twin.zero_grad()
+            F.cross_entropy(output, target).backward(retain_graph=True)
+            for n, p in twin.named_parameters():
+                acc[n] += (labels[i] == y).to(D) * p.grad
+                acc2[n] += prob[0, y] * p.grad.square()
+    # gradhooks: the retained set at once
+    model.eval()
+    got = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    got2 = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    with gradhooks.add_hooks(model, "sum"):
+        output = model(x)
+        prob = F.softmax(output, dim=-1).detach()
+        for y in range(CLASSES):
+            model.zero_grad()
+            F.cross_entropy(output, torch.full_like(labels, y), reduction="sum").backward(
+                retain_graph=True
+            )
+            for n, p in model.named_parameters():
+                mine = (labels == y).to(D)
+                got[n] += torch.einsum("b,b...->...", mine, p.grad1)
+                got2[n] += torch.einsum("b,b...->...", prob[:, y], p.grad1.square())
+    assert_all({n: v / N for n, v in got.items()}, {n: v / N for n, v in acc.items()}, "grad_acc")
+    assert_all(
+        {n: v / N for n, v in got2.items()}, {n: v / N for n, v in acc2.items()}, "grad2_acc"
+    )
+    for m, second in ((model, got2), (twin, acc2)):
+        noise = torch.Generator().manual_seed(12)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                mu, var = fisher_mean_var(p, second[n] / N, CLASSES, FORGET, ALPHA)
+                p.copy_(mu + var.sqrt() * torch.randn(p.shape, generator=noise, dtype=D))
+    assert_all(dict(model.named_parameters()), dict(twin.named_parameters()), "scrubbed weights")
+    assert model.classifier.weight[FORGET].abs().max() < 0.1  # (the forgotten row: noise alone)
