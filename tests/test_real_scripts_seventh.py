@@ -5,19 +5,22 @@ As in the other sets (``test_real_scripts*.py``): each test follows one script o
 repository (cited in its docstring: repository and path), its model and its loop as written
 there, at tiny sizes, on synthetic data, in float64 where the script allows. Here gradhooks
 takes the place of the per-example machinery of scripts the other sets leave out: the
-fast-dpsgd benchmark's BackPACK DP-SGD optimizer (its ``grad_batch`` and ``batch_l2`` are
-``grad1`` and its squares over the batch size, on the models BackPACK could not run there:
-the embedding bag of words and the sequence-first LSTM) and its Opacus LSTM with a fixed
-random initial state per example, DeepCore's GraNd scores from its embedding recorder,
-FLSim's sample-level DP clients under a server's FedAvg with a learning rate, fairscale's
-AdaScale gain (its variance of micro-batch gradients, here the examples' own), and the Fisher
-forgetting of "Eternal Sunshine of the Spotless Net" (a backward per class, weighted by the
-model's probabilities). At every step what the script computes from gradhooks (the update,
-the scores, the gain, the Fisher, the scrubbed weights) is compared with the same computed
-from each example's own gradient by a float64 loop; where a step draws noise, the noise is
-drawn again from a generator of the same seed. Where the script's own form is refused (a
-mean loss handed to the DP optimizer, batch norm in training), the test checks the refusal,
-that it left the model as it was, and its remedy.
+fast-dpsgd benchmark's DP optimizers (BackPACK's, whose ``grad_batch`` and ``batch_l2`` are
+``grad1`` and its squares over the batch size, on the models BackPACK could not run there,
+the bag of embeddings and the sequence-first LSTM; gradcnn's, whose ``bgrad`` is the same;
+Opacus' engine on an LSTM started from a fixed random state per example), DeepCore's GraNd
+scores from its embedding recorder, FLSim's sample-level DP clients under a server's FedAvg
+with a learning rate, fairscale's AdaScale gain (its spread of micro-batch gradients, here
+the examples' own), the Fisher forgetting of "Eternal Sunshine of the Spotless Net" (a
+backward per class, weighted by the model's probabilities), and certified-removal's private
+feature extractor (clipped over process batches, one noise per batch). At every step what
+the script computes from gradhooks (the update, the scores, the gain, the Fisher, the
+scrubbed weights) is compared with the same computed from each example's own gradient by a
+float64 loop; where a step draws noise, the noise is drawn again from a generator of the
+same seed; under bfloat16 autocast the comparison has a stated tolerance. Where the
+script's own form is refused (a mean loss handed to the DP optimizer, a model hooked while
+its batch norms train), the test checks the refusal, that it left the model as it was, and
+its remedy. No script here found a wrong number or a false refusal.
 """
 
 from __future__ import annotations
@@ -133,10 +136,12 @@ def test_fast_dpsgd_backpack_dp_sgd_on_grad1_over_the_batch_size(kind):
     ``backpack(BatchGrad(), BatchL2Grad())``, and ``DP_SGD.step`` reading each parameter's
     ``grad_batch`` (each example's gradient of the *mean* loss: its own over the batch size)
     and ``batch_l2`` (their squared norms). BackPACK has no LSTM or embedding extension, so
-    the script leaves ``lstm`` and ``embed`` commented out; with ``add_hooks(model)`` the
-    same step takes ``grad_batch = grad1 / B`` and ``batch_l2 = (grad1 / B)²`` summed, on
-    every model, and over 3 steps ``grad1``, the norms and the weights after each step are
-    the float64 loop's (the noise drawn from a generator of the same seed for both)."""
+    the script leaves ``lstm`` and ``embed`` commented out; with ``add_hooks(model,
+    quantities=("grad1", "norms"))`` the same step takes ``grad_batch = grad1 / B`` and
+    ``batch_l2 = (grad1 / B)²`` summed, on every model, and over 3 steps ``grad1``, the
+    hooks' norms and the weights after each step are the float64 loop's (the noise drawn
+    from a generator of the same seed for both). The step's factor is kept as written,
+    ``min(1, ‖g‖/C)``: it is the script's own, whatever gradients feed it."""
     factory, max_norm, stddev = FAST_DPSGD[kind]
     torch.manual_seed(0)
     model = factory().to(D)
@@ -666,3 +671,176 @@ def test_fisher_forgetting_hessian_a_backward_per_class_from_grad1_then_the_scru
                 p.copy_(mu + var.sqrt() * torch.randn(p.shape, generator=noise, dtype=D))
     assert_all(dict(model.named_parameters()), dict(twin.named_parameters()), "scrubbed weights")
     assert model.classifier.weight[FORGET].abs().max() < 0.1  # (the forgotten row: noise alone)
+
+
+# -- facebookresearch/certified-removal: the private feature extractor -------------------------
+
+
+class Extractor(nn.Module):
+    """certified-removal's ``fast_grad_models.py`` extractor in miniature: a container of
+    convolutions (their per-example gradients the script's expanded weights), tanh and
+    average pooling, flattened to the features."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(3, width, 3), nn.Conv2d(width, width, 2)])
+
+    def forward(self, x):
+        x = F.avg_pool2d(torch.tanh(self.convs[0](x)), 2)  # [B, 4, 2, 2] from 6x6
+        return torch.tanh(self.convs[1](x)).flatten(1)  # [B, 4]
+
+
+class FastGradMLP(nn.Module):
+    """``fast_grad_models.py``'s ``FastGradMLP``: linear layers returning the logits with
+    the activations and the linear combinations ``goodfellow_backprop`` needs."""
+
+    def __init__(self, features: int = 4, hidden: int = 5, classes: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(features, hidden), nn.Linear(hidden, classes)])
+
+    def forward(self, x):
+        activations, combs = [x], []
+        for k, layer in enumerate(self.layers):
+            z = layer(x)
+            combs.append(z)
+            x = torch.tanh(z) if k + 1 < len(self.layers) else z
+            activations.append(x)
+        return x, activations, combs
+
+
+class Private(nn.Module):
+    """The extractor and the classifier together (``include_linear=True``: both clipped)."""
+
+    def __init__(self, extr: nn.Module, clf: nn.Module):
+        super().__init__()
+        self.extr, self.clf = extr, clf
+
+    def forward(self, x):
+        return self.clf(self.extr(x))[0]
+
+
+@pytest.mark.parametrize("include_linear", [False, True])
+def test_certified_removal_train_private_process_batches_clipped_then_one_noise(include_linear):
+    """facebookresearch/certified-removal ``train_func.py`` ``train_private`` (with
+    ``utils.py``): each batch is cut into process batches, ``per_example_gradient`` gives
+    each example's gradient of the extractor's convolutions (the expanded weights' gradients
+    of the mean loss times the process batch's size) and, with ``include_linear``, of the
+    classifier's linear layers (``goodfellow_backprop``); ``clip_and_sum_gradients`` clips
+    each example's concatenated gradient to ``C`` and sums, the sums of the process batches
+    are added and divided by the batch's size, ``add_noisy_gradient`` adds ``C · std / B``
+    times a normal draw and writes ``.grad``, and the optimizer (of the clipped parameters)
+    steps. With ``add_hooks`` on the extractor (on both, with ``include_linear``) and
+    ``DPOptimizer(expected_batch_size=B, noise_multiplier=std)`` taking each process
+    batch's ``reduction="none"`` losses, over 2 batches of 7 in process batches of 3 the
+    norms and the weights are the float64 loop's."""
+    C, STD, B, PROC = 0.5, 0.7, 7, 3
+    torch.manual_seed(0)
+    extr, clf = Extractor().to(D), FastGradMLP().to(D)
+    model = Private(extr, clf)
+    twin = copy.deepcopy(model)
+    clipped = model if include_linear else extr
+    ref_clipped = twin if include_linear else twin.extr
+    hooks = gradhooks.add_hooks(clipped, quantities=("norms",))
+    opt = gradhooks.DPOptimizer(
+        torch.optim.Adam(clipped.parameters(), lr=0.01), hooks, max_grad_norm=C,
+        noise_multiplier=STD, expected_batch_size=B, generator=torch.Generator().manual_seed(2),
+    )  # fmt: skip
+    ref_opt = torch.optim.Adam(ref_clipped.parameters(), lr=0.01)
+    noise = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(7)
+    for step in range(2):
+        x, y = torch.randn(B, 3, 6, 6, generator=g, dtype=D), torch.randint(3, (B,), generator=g)
+        total = None
+        for xb, yb in zip(x.split(PROC), y.split(PROC), strict=True):
+            norms = opt.backward(F.cross_entropy(model(xb), yb, reduction="none"))
+            per = loop(ref_clipped, lambda xi, yi: F.cross_entropy(twin(xi), yi), xb, yb)
+            rows = flat(per)
+            torch.testing.assert_close(norms, rows.norm(dim=1), rtol=1e-9, atol=1e-12)
+            mult = torch.ones(len(rows), dtype=D)
+            big = rows.norm(2, 1).gt(C)
+            mult[big] = C / rows.norm(2, 1)[big]
+            part = (rows * mult[:, None]).sum(0)
+            total = part if total is None else total + part
+        opt.step()
+        opt.zero_grad()
+        grad_vec = total / B
+        ref_opt.zero_grad()
+        for p in ref_clipped.parameters():
+            z = torch.randn(p.shape, generator=noise, dtype=D)
+            p.grad = grad_vec[: p.numel()].view_as(p) + z * C * STD / B
+            grad_vec = grad_vec[p.numel() :]
+        ref_opt.step()
+        assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
+                   f"step {step}: weights")  # fmt: skip
+    hooks.remove()
+
+
+class CIFAR10Model(nn.Module):
+    """fast-dpsgd's ``CIFAR10Model`` (``pytorch.py``, ``owkindp.py``) in miniature: a
+    ``ModuleList`` of ReLU convolutions in ``Sequential``s and average pools, a last
+    convolution to the classes, and the mean over the image."""
+
+    def __init__(self, width: int = 4, classes: int = 10):
+        super().__init__()
+        self.layer_list = nn.ModuleList([
+            nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.ReLU()),
+            nn.AvgPool2d(2, stride=2),
+            nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU()),
+            nn.AvgPool2d(2, stride=2),
+            nn.Conv2d(2 * width, classes, 3, padding=1),
+        ])  # fmt: skip
+
+    def forward(self, x):
+        for layer in self.layer_list:
+            x = layer(x)
+        return torch.mean(x, dim=(2, 3))
+
+
+def gradcnn_step(optimizer, bgrads, noise_multiplier, l2_norm_clip, noise) -> None:
+    """gradcnn's ``make_optimizer(cls=SGD, ...)`` step as ``owkindp.py`` uses it: each
+    parameter's ``bgrad`` (each example's gradient of the mean loss), the norms over the
+    group, the factor ``(C / B) / norm`` capped at 1, the rows summed, noise ``σ·C / B``."""
+    for group in optimizer.param_groups:
+        rows = [bgrads[p] for p in group["params"]]
+        norms = torch.sqrt(torch.stack([(r.view(len(r), -1) ** 2).sum(1) for r in rows]).sum(0))
+        for p, r in zip(group["params"], rows, strict=True):
+            factor = (l2_norm_clip / len(r)) / norms
+            factor[factor > 1.0] = 1.0
+            clipped = torch.tensordot(factor, r, dims=([0], [0]))
+            z = torch.randn(clipped.shape, generator=noise, dtype=clipped.dtype)
+            p.grad = clipped + (noise_multiplier * l2_norm_clip / len(r)) * z
+    optimizer.step()
+
+
+@pytest.mark.parametrize("kind", ["cifar10", "mnist"])
+def test_fast_dpsgd_owkin_gradcnn_optimizer_on_grad1_over_the_batch_size(kind):
+    """TheSalon/fast-dpsgd ``owkindp.py``: the models of ``pytorch.py`` built from gradcnn's
+    ``crb`` layers (which keep each example's gradient of the mean loss in ``p.bgrad``), a
+    mean ``CrossEntropyLoss``, ``loss.backward()`` and the step of ``make_optimizer(cls=
+    optim.SGD, noise_multiplier=σ, l2_norm_clip=C)``. With plain torch layers under
+    ``add_hooks(model)``, ``bgrad = grad1 / B`` feeds the same step, and over 3 steps the
+    weights are the float64 loop's (the noise of the same seed for both): gradcnn's factor
+    ``(C/B) / ‖bgrad‖`` is ``C / ‖grad1‖``, the usual clipping."""
+    B, SIGMA, CLIP = 5, 1.1, 1.0
+    torch.manual_seed(0)
+    model = (CIFAR10Model() if kind == "cifar10" else MNISTNet()).to(D)
+    twin = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.3) for m in (model, twin))
+    g = torch.Generator().manual_seed(13)
+    shape = (3, 8, 8) if kind == "cifar10" else (1, 15, 15)
+    with gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = (
+                torch.randn(B, *shape, generator=g, dtype=D),
+                torch.randint(10, (B,), generator=g),
+            )
+            model.zero_grad()
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            per = loop(twin, lambda xi, yi: F.cross_entropy(twin(xi), yi), x, y)
+            bgrads = {p: p.grad1 / B for p in model.parameters()}
+            gradcnn_step(opt, bgrads, SIGMA, CLIP, torch.Generator().manual_seed(step))
+            ref = {p: r / B for p, r in zip(twin.parameters(), per.values(), strict=True)}
+            gradcnn_step(ref_opt, ref, SIGMA, CLIP, torch.Generator().manual_seed(step))
+            assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
+                       f"{kind} step {step}: weights")  # fmt: skip
