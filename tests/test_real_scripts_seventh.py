@@ -844,3 +844,99 @@ def test_fast_dpsgd_owkin_gradcnn_optimizer_on_grad1_over_the_batch_size(kind):
             gradcnn_step(ref_opt, ref, SIGMA, CLIP, torch.Generator().manual_seed(step))
             assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
                        f"{kind} step {step}: weights")  # fmt: skip
+
+
+# -- emtiyaz/vadam: VOGN's Gauss-Newton diagonal from the examples' squared gradients ----------
+
+
+class VadamMLP(nn.Module):
+    """vadam's ``pytorch/vadam/models.py`` ``MLP``: ReLU hidden layers and an output layer
+    whose single output is squeezed (``output_size=None``)."""
+
+    def __init__(self, inputs: int = 5, hidden: int = 6):
+        super().__init__()
+        self.hidden_layers = nn.ModuleList([nn.Linear(inputs, hidden)])
+        self.output_layer = nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        for layer in self.hidden_layers:
+            x = F.relu(layer(x))
+        return torch.squeeze(self.output_layer(x))
+
+
+class VOGN:
+    """vadam's ``pytorch/vadam/optimizers.py`` ``VOGN.step``: per Monte Carlo sample, the
+    weights drawn from ``N(mu, 1/Precision)`` (``vector_to_parameters``) and the closure's
+    gradient sum and Gauss-Newton diagonal (each over the batch size ``M``), both times the
+    training set's size; the precision a moving average of the GGN plus the prior's, the
+    mean a step preconditioned by it."""
+
+    def __init__(self, params, train_set_size, lr, beta, prior_prec, prec_init, num_samples):
+        self.params, self.n, self.lr, self.beta = list(params), train_set_size, lr, beta
+        self.prior, self.samples = prior_prec, num_samples
+        self.mu = torch.nn.utils.parameters_to_vector(self.params).detach().clone()
+        self.precision = torch.ones_like(self.mu) * prec_init
+
+    def step(self, closure, generator: torch.Generator):
+        grad_hat = ggn_hat = 0.0
+        for _ in range(self.samples):
+            raw = torch.randn(self.mu.shape, generator=generator, dtype=self.mu.dtype)
+            torch.nn.utils.vector_to_parameters(self.mu + raw / self.precision.sqrt(), self.params)
+            loss, grad, ggn, m = closure()
+            grad_hat = grad_hat + torch.nn.utils.parameters_to_vector(grad).div(m).detach()
+            ggn_hat = ggn_hat + torch.nn.utils.parameters_to_vector(ggn).div(m).detach()
+        grad_hat, ggn_hat = grad_hat * self.n / self.samples, ggn_hat * self.n / self.samples
+        self.precision = self.precision * self.beta + (ggn_hat + self.prior) * (1 - self.beta)
+        self.mu = self.mu - self.lr * (grad_hat + self.mu * self.prior) / self.precision
+        return loss
+
+
+def test_vadam_vogn_ggn_diagonal_is_sum_grad_sq_over_monte_carlo_weight_samples():
+    """emtiyaz/vadam ``pytorch/vadam/optimizers.py`` (``VOGN``) with ``pytorch/vadam/utils.py``
+    (``goodfellow_backprop_ggn``): the closure runs the model on the batch with its
+    activations and linear outputs, takes the mean loss's gradient with respect to the linear
+    outputs, multiplies it by the batch size (each example's own) and returns the sum of the
+    examples' gradients (``G.t() @ X``) and of their squares (``G.t()**2 @ X**2``), the GGN
+    diagonal VOGN's precision averages; the weights are redrawn from the posterior for every
+    Monte Carlo sample. With ``add_hooks(model, quantities=("grad1", "sum_grad_sq"))`` the
+    closure is a plain ``zero_grad`` and backward of the mean loss (the weights written by
+    ``vector_to_parameters`` between the forwards), the gradient sum ``grad1.sum(0)`` and the
+    diagonal ``h.sum_grad_sq()``: over 3 steps of 2 samples each the posterior's mean and
+    precision are those of the float64 loop's per-example gradients at the same draws."""
+    N, B = 40, 6
+    torch.manual_seed(0)
+    model = VadamMLP().to(D)
+    twin = copy.deepcopy(model)
+    kwargs = dict(train_set_size=N, lr=0.1, beta=0.9, prior_prec=1.0, prec_init=50.0, num_samples=2)
+    opt, ref = VOGN(model.parameters(), **kwargs), VOGN(twin.parameters(), **kwargs)
+    g = torch.Generator().manual_seed(15)
+    bce = F.binary_cross_entropy_with_logits
+    with gradhooks.add_hooks(model, quantities=("grad1", "sum_grad_sq")) as h:
+        for step in range(3):
+            x, y = (
+                torch.randn(B, 5, generator=g, dtype=D),
+                torch.randint(2, (B,), generator=g).to(D),
+            )
+
+            def closure(x=x, y=y):
+                model.zero_grad()
+                loss = F.binary_cross_entropy_with_logits(model(x), y)
+                loss.backward()
+                sq = h.sum_grad_sq()
+                names = [n for n, _ in model.named_parameters()]
+                return loss, [p.grad1.sum(0) for p in model.parameters()], [sq[n] for n in names], B
+
+            def ref_closure(x=x, y=y):  # (a batch of one squeezes to a scalar: its label too)
+                per = loop(twin, lambda xi, yi: bce(twin(xi), yi[0]), x, y)
+                loss = bce(twin(x), y)
+                return (
+                    loss,
+                    [r.sum(0) for r in per.values()],
+                    [r.square().sum(0) for r in per.values()],
+                    B,
+                )
+
+            opt.step(closure, torch.Generator().manual_seed(step))
+            ref.step(ref_closure, torch.Generator().manual_seed(step))
+            torch.testing.assert_close(opt.precision, ref.precision, rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(opt.mu, ref.mu, rtol=1e-9, atol=1e-12)
