@@ -190,13 +190,14 @@ class OpacusLSTMNet(nn.Module):
         return self.fc1(x.mean(1))
 
 
-def test_fast_dpsgd_opacus_lstm_with_a_random_initial_state_per_example():
+@pytest.mark.parametrize("method", ["bookkeeping", "ghost", "grad1"])
+def test_fast_dpsgd_opacus_lstm_with_a_random_initial_state_per_example(method):
     """TheSalon/fast-dpsgd ``opacusdp.py``: the LSTM model with its fixed random initial
     state of the batch's size, Opacus' ``PrivacyEngine(batch_size=..., noise_multiplier=σ,
     max_grad_norm=C).attach(optimizer)`` on SGD, and the script's ``loss.backward()`` of the
-    mean ``CrossEntropyLoss``. With ``add_hooks(model, quantities=("norms",))`` and
-    ``DPOptimizer(SGD, max_grad_norm=C, noise_multiplier=σ, expected_batch_size=B)`` in the
-    engine's place, the script's mean loss handed to ``opt.backward`` is refused (a
+    mean ``CrossEntropyLoss``. With ``add_hooks(model, quantities=("norms",))`` (``"grad1"``
+    for its method) and ``DPOptimizer(SGD, max_grad_norm=C, noise_multiplier=σ,
+    expected_batch_size=B, method=...)`` in the engine's place, by each of the three methods, the script's mean loss handed to ``opt.backward`` is refused (a
     ``ConfigurationError`` that asks for the ``[batch]`` losses, the model, its ``.grad`` and
     its hooks as they were); the remedy, ``reduction="none"``, gives over 3 steps the norms
     of the float64 loop, in which example ``i`` starts from row ``i`` of the initial state,
@@ -206,10 +207,11 @@ def test_fast_dpsgd_opacus_lstm_with_a_random_initial_state_per_example():
     model = OpacusLSTMNet(B).to(D)
     twin = copy.deepcopy(model)
     g = torch.Generator().manual_seed(4)
-    hooks = gradhooks.add_hooks(model, quantities=("norms",))
+    hooks = gradhooks.add_hooks(model, quantities=("grad1" if method == "grad1" else "norms",))
     opt = gradhooks.DPOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR, momentum=0), hooks, max_grad_norm=C,
         noise_multiplier=SIGMA, expected_batch_size=B, generator=torch.Generator().manual_seed(9),
+        method=method,
     )  # fmt: skip
     x, y = torch.randint(14, (B, 6), generator=g), torch.randint(2, (B,), generator=g)
     loss = nn.CrossEntropyLoss()(model(x), y)  # the script's mean loss
