@@ -942,3 +942,157 @@ def test_vadam_vogn_ggn_diagonal_is_sum_grad_sq_over_monte_carlo_weight_samples(
             ref.step(ref_closure, torch.Generator().manual_seed(step))
             torch.testing.assert_close(opt.precision, ref.precision, rtol=1e-9, atol=1e-12)
             torch.testing.assert_close(opt.mu, ref.mu, rtol=1e-9, atol=1e-12)
+
+
+# -- jaehong31/OCS: online coreset selection by autograd-hacks' grad1 --------------------------
+
+
+class OCSMLP(nn.Module):
+    """OCS's ``core/models.py`` ``MLP``: two ReLU layers (``inplace=True``) with dropout after
+    each, the second layer's output kept on the module as ``self.feature`` and the head
+    applied to it (so the second dropout's output goes unused), ``forward(x, task_id)``."""
+
+    def __init__(self, inputs: int = 12, hidden: int = 6, classes: int = 4, dropout: float = 0.2):
+        super().__init__()
+        self.W1, self.dropout_1 = nn.Linear(inputs, hidden), nn.Dropout(p=dropout)
+        self.relu = nn.ReLU(inplace=True)
+        self.W2, self.dropout_2 = nn.Linear(hidden, hidden), nn.Dropout(p=dropout)
+        self.W3 = nn.Linear(hidden, classes)
+
+    def embed(self, x):
+        out = self.dropout_1(self.relu(self.W1(x)))
+        self.feature = self.relu(self.W2(out))
+        return self.dropout_2(self.feature)
+
+    def forward(self, x, task_id=None):
+        self.embed(x)
+        return self.W3(self.feature)
+
+
+def ocs_sample_selection(g, eg, tau: float, ref_grads=None):
+    """``train_methods_mnist.py``'s ``sample_selection``: each example's gradient's cosine
+    with the batch's mean gradient, less its mean cosine with the others, plus ``tau`` times
+    its cosine with the coreset's gradient; the examples sorted by it."""
+    ng, neg = torch.norm(g), torch.norm(eg, dim=1)
+    mean_sim = g @ eg.t() / torch.maximum(ng * neg, torch.ones_like(neg) * 1e-6)
+    negd = neg[:, None]
+    cross_div = eg @ eg.t() / torch.maximum(negd @ negd.t(), torch.ones_like(negd) * 1e-6)
+    measure = mean_sim - cross_div.mean(0)
+    if ref_grads is not None:
+        aff = (
+            ref_grads
+            @ eg.t()
+            / torch.maximum(torch.norm(ref_grads) * neg, torch.ones_like(neg) * 1e-6)
+        )
+        measure = measure + tau * aff
+    return torch.sort(measure, descending=True).indices, measure
+
+
+def ocs_rows(state: dict, x, y, seed: int) -> torch.Tensor:
+    """Each example's own gradient, flattened, from one forward of the whole batch of a model
+    with these weights, under the same dropout draws (``torch.manual_seed(seed)`` before it,
+    as before the hooked one)."""
+    model = OCSMLP().to(D)
+    model.load_state_dict(state)
+    torch.manual_seed(seed)
+    with gradhooks.paused():
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        params = list(model.parameters())
+        rows = [torch.cat([g.flatten() for g in torch.autograd.grad(one, params, retain_graph=True)])
+                for one in losses]  # fmt: skip
+    return torch.stack(rows)
+
+
+def test_ocs_selects_by_grad1_then_a_saved_and_loaded_model_must_be_hooked_again(tmp_path):
+    """jaehong31/OCS ``core/train_methods_mnist.py`` with ``core/utils.py`` and ``ocs_mnist.py``:
+    autograd-hacks' hooks are added once, at the first task (``if task == 1 and
+    config['ocspick']``); each stream batch is run whole (``clear_backprops``, the mean loss's
+    backward, ``compute_grad1``), ``sample_selection`` ranks its examples by their gradients
+    (``flatten_example_grads`` of ``grad1``, ``flatten_grads`` of ``.grad``) and the model
+    trains on the best ``batch_size``; from the second task on the ranking adds each
+    example's affinity to the coreset's gradient (``train_ocs_single_step``) and the loss the
+    coreset's. Between tasks the whole model is saved and loaded (``torch.save(model)``,
+    ``torch.load``): autograd-hacks' hooks travel in the pickle, gradhooks' do not, so with
+    ``import gradhooks as autograd_hacks`` the second task's ``clear_backprops`` on the loaded
+    model is refused (a ``ConfigurationError`` saying it is a copy of a hooked model, and to
+    hook it; so is ``compute_grad1`` on a deep copy), leaving it as it was; hooked again, it
+    trains on. At every step (dropout in training, the same draws for the loop) the rows of
+    ``grad1`` are the examples' own gradients of the float64 loop, and the scores and the
+    picks are the loop's."""
+    import gradhooks as autograd_hacks
+
+    BS, STREAM, TAU, REF = 3, 8, 1000.0, 10.0
+    torch.manual_seed(0)
+    model = OCSMLP().to(D)
+    g = torch.Generator().manual_seed(16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.8)
+    autograd_hacks.add_hooks(model)
+    seed = 100
+    for _ in range(2):  # task 1: train_single_step
+        data, target = (
+            torch.randn(STREAM, 12, generator=g, dtype=D),
+            torch.randint(4, (STREAM,), generator=g),
+        )
+        model.train()
+        optimizer.zero_grad()
+        autograd_hacks.clear_backprops(model)
+        state = copy.deepcopy(model.state_dict())  # (the model keeps a tensor of its graph)
+        torch.manual_seed(seed)
+        F.cross_entropy(model(data, 1), target).backward()
+        autograd_hacks.compute_grad1(model)
+        eg = torch.cat([p.grad1.view(STREAM, -1) for p in model.parameters()], 1)
+        gm = torch.cat([p.grad.view(-1) for p in model.parameters()])
+        rows = ocs_rows(state, data, target, seed)
+        torch.testing.assert_close(eg, rows, rtol=1e-9, atol=1e-12)
+        pick = ocs_sample_selection(gm, eg, TAU)[0][:BS]
+        assert torch.equal(pick, ocs_sample_selection(rows.mean(0), rows, TAU)[0][:BS])
+        autograd_hacks.clear_backprops(model)
+        optimizer.zero_grad()
+        F.cross_entropy(model(data[pick], 1), target[pick]).backward()
+        optimizer.step()
+        seed += 1
+    coreset_x, coreset_y = data[pick], target[pick]
+    torch.save(model, tmp_path / "t_1_seq.pth")  # save_task_model_by_policy
+    model = torch.load(tmp_path / "t_1_seq.pth", weights_only=False)  # load_model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * 0.75, momentum=0.8)
+    before = model_state(model)
+    raised(gradhooks.ConfigurationError, ["copy of a hooked model", "add_hooks"],
+           lambda: autograd_hacks.clear_backprops(model))  # fmt: skip
+    assert_untouched(model, before)
+    autograd_hacks.add_hooks(model)  # the remedy: hook the loaded model
+    for _ in range(2):  # task 2: train_ocs_single_step
+        data, target = (
+            torch.randn(STREAM, 12, generator=g, dtype=D),
+            torch.randint(4, (STREAM,), generator=g),
+        )
+        model.train()
+        optimizer.zero_grad()
+        F.cross_entropy(model(coreset_x, None), coreset_y).backward()  # the reference gradient
+        ref_grads = torch.cat([p.grad.view(-1) for p in model.parameters()]).clone()
+        optimizer.zero_grad()
+        autograd_hacks.clear_backprops(model)
+        state = copy.deepcopy(model.state_dict())  # (the model keeps a tensor of its graph)
+        torch.manual_seed(seed)
+        F.cross_entropy(model(data, 2), target).backward()
+        autograd_hacks.compute_grad1(model)
+        eg = torch.cat([p.grad1.view(STREAM, -1) for p in model.parameters()], 1)
+        gm = torch.cat([p.grad.view(-1) for p in model.parameters()])
+        rows = ocs_rows(state, data, target, seed)
+        torch.testing.assert_close(eg, rows, rtol=1e-9, atol=1e-12)
+        pick, measure = ocs_sample_selection(gm, eg, TAU, ref_grads)
+        want_pick, want = ocs_sample_selection(rows.mean(0), rows, TAU, ref_grads)
+        torch.testing.assert_close(measure, want, rtol=1e-9, atol=1e-9)
+        assert torch.equal(pick[:BS], want_pick[:BS])
+        pick = pick[:BS]
+        autograd_hacks.clear_backprops(model)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(data[pick], 2), target[pick])
+        loss = loss + REF * F.cross_entropy(model(coreset_x, None), coreset_y) / len(coreset_y)
+        loss.backward()
+        optimizer.step()
+        seed += 1
+    del model.feature  # (a tensor of the last graph: the model deep-copies without it)
+    ema = copy.deepcopy(model)  # a deep copy is a copy too
+    raised(gradhooks.ConfigurationError, ["copy of a hooked model", "add_hooks"],
+           lambda: autograd_hacks.compute_grad1(ema))  # fmt: skip
+    autograd_hacks.remove_hooks(model)
