@@ -366,18 +366,25 @@ def test_deepcore_grand_scores_from_the_last_layers_grad1_in_eval_mode():
 
 
 class SimpleConvNet(nn.Module):
-    """FLSim's ``flsim/utils/example_utils.py`` ``SimpleConvNet`` in miniature: two ReLU
-    convolutions each max-pooled, two linear layers."""
+    """FLSim's ``flsim/utils/example_utils.py`` ``SimpleConvNet`` with fewer channels: four
+    3x3 convolutions (padding 2), each followed by the *same* ``gn_relu`` block (one
+    GroupNorm of a group per channel, called four times in a forward), dropout and a linear
+    layer on the 3x3 maps left of a 24x24 image."""
 
-    def __init__(self, classes: int = 3):
+    def __init__(self, in_channels: int = 3, num_classes: int = 3, out_channels: int = 2):
         super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 2)
-        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, classes)
+        dims = [in_channels] + [out_channels] * 4
+        self.layers = nn.ModuleList(nn.Conv2d(a, b, 3, 1, 2) for a, b in zip(dims, dims[1:]))
+        self.gn_relu = nn.Sequential(
+            nn.GroupNorm(out_channels, out_channels, affine=True), nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2, stride=2),
+        )  # fmt: skip
+        self.dropout, self.fc = nn.Dropout(0.0), nn.Linear(out_channels * 3 * 3, num_classes)
 
     def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)  # [B, 4, 2, 2] from 6x6
-        x = F.max_pool2d(F.relu(self.conv2(x)), 1)  # [B, 4, 1, 1]
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+        for conv in self.layers:
+            x = self.gn_relu(conv(x))
+        return self.fc(self.dropout(x.flatten(1)))
 
 
 def test_flsim_dp_clients_expected_batch_of_the_first_and_fedavg_with_a_server_lr():
@@ -393,11 +400,12 @@ def test_flsim_dp_clients_expected_batch_of_the_first_and_fedavg_with_a_server_l
     learning rate and momentum) on them. With ``add_hooks(model, quantities=("norms",))``
     and ``gradhooks.DPOptimizer`` in each client, removed after its local epoch, over 2
     rounds of 2 clients (7 and 5 examples in batches of 3) every client's weights, and the
-    global model after each round, are those of the float64 loop's clipped sums."""
+    global model after each round, are those of the float64 loop's clipped sums (the shared
+    GroupNorm's rows the sum of its four calls')."""
     C, SIGMA, BS, LR, SEED = 1.0, 0.8, 3, 0.1, 11
     g = torch.Generator().manual_seed(6)
     clients = [
-        (torch.randn(n, 3, 6, 6, generator=g, dtype=D), torch.randint(3, (n,), generator=g))
+        (torch.randn(n, 3, 24, 24, generator=g, dtype=D), torch.randint(3, (n,), generator=g))
         for n in (7, 5)
     ]
     torch.manual_seed(0)
