@@ -693,35 +693,50 @@ def test_fisher_forgetting_hessian_a_backward_per_class_from_grad1_then_the_scru
 
 
 class Extractor(nn.Module):
-    """certified-removal's ``fast_grad_models.py`` extractor in miniature: a container of
-    convolutions (their per-example gradients the script's expanded weights), tanh and
-    average pooling, flattened to the features."""
+    """certified-removal's ``fast_grad_models.py`` ``FastGradExtractor`` (its convolutions'
+    per-example gradients the script's expanded weights, here plain ``nn.Conv2d``): each
+    convolution followed by ReLU and a max pool, flattened, the features normalized
+    (``normalize=True``)."""
 
-    def __init__(self, width: int = 4):
+    def __init__(self, channels=(3, 4, 4), kernel: int = 3, stride: int = 1, pool: int = 2):
         super().__init__()
-        self.convs = nn.ModuleList([nn.Conv2d(3, width, 3), nn.Conv2d(width, width, 2)])
+        self.pool_size = pool
+        self.conv_layers = nn.ModuleList(
+            nn.Conv2d(a, b, kernel, stride) for a, b in zip(channels, channels[1:])
+        )
 
     def forward(self, x):
-        x = F.avg_pool2d(torch.tanh(self.convs[0](x)), 2)  # [B, 4, 2, 2] from 6x6
-        return torch.tanh(self.convs[1](x)).flatten(1)  # [B, 4]
+        for conv in self.conv_layers:
+            x = F.max_pool2d(F.relu(conv(x)), self.pool_size, self.pool_size)
+        return F.normalize(x.view(x.size(0), -1))
 
 
 class FastGradMLP(nn.Module):
-    """``fast_grad_models.py``'s ``FastGradMLP``: linear layers returning the logits with
-    the activations and the linear combinations ``goodfellow_backprop`` needs."""
+    """``fast_grad_models.py``'s ``FastGradMLP``: ReLU hidden layers and an output layer,
+    returning the logits with the activations and the linear combinations (each made to
+    require and retain its gradient) that ``goodfellow_backprop`` needs."""
 
-    def __init__(self, features: int = 4, hidden: int = 5, classes: int = 3):
+    def __init__(self, sizes=(4, 5, 3)):
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(features, hidden), nn.Linear(hidden, classes)])
+        self.input_size = sizes[0]
+        self.hidden_layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-2], sizes[1:-1]))
+        self.output_layer = nn.Linear(sizes[-2], sizes[-1])
 
     def forward(self, x):
-        activations, combs = [x], []
-        for k, layer in enumerate(self.layers):
-            z = layer(x)
-            combs.append(z)
-            x = torch.tanh(z) if k + 1 < len(self.layers) else z
-            activations.append(x)
-        return x, activations, combs
+        out = x.view(-1, self.input_size)
+        activations, combs = [out], []
+        for layer in self.hidden_layers:
+            comb = layer(out)
+            out = F.relu(comb)
+            activations.append(out)
+            comb.requires_grad_(True)
+            comb.retain_grad()
+            combs.append(comb)
+        logits = self.output_layer(out)
+        logits.requires_grad_(True)
+        logits.retain_grad()
+        combs.append(logits)
+        return logits, activations, combs
 
 
 class Private(nn.Module):
@@ -765,7 +780,7 @@ def test_certified_removal_train_private_process_batches_clipped_then_one_noise(
     noise = torch.Generator().manual_seed(2)
     g = torch.Generator().manual_seed(7)
     for step in range(2):
-        x, y = torch.randn(B, 3, 6, 6, generator=g, dtype=D), torch.randint(3, (B,), generator=g)
+        x, y = torch.randn(B, 3, 10, 10, generator=g, dtype=D), torch.randint(3, (B,), generator=g)
         total = None
         for xb, yb in zip(x.split(PROC), y.split(PROC), strict=True):
             norms = opt.backward(F.cross_entropy(model(xb), yb, reduction="none"))
