@@ -1125,3 +1125,119 @@ def test_ocs_selects_by_grad1_then_a_saved_and_loaded_model_must_be_hooked_again
     raised(gradhooks.ConfigurationError, ["copy of a hooked model", "add_hooks"],
            lambda: autograd_hacks.compute_grad1(ema))  # fmt: skip
     autograd_hacks.remove_hooks(model)
+
+
+class OCSBasicBlock(nn.Module):
+    """OCS's ``BasicBlock``: a 3x3 convolution, ReLU, then ``IC1`` (a batch norm that keeps no
+    running statistics, and dropout), the shortcut added, ReLU, ``IC2``; its ``conv2`` is
+    built and never called."""
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, dropout: float = 0.1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False))
+        self.IC1 = nn.Sequential(
+            nn.BatchNorm2d(planes, track_running_stats=False), nn.Dropout(dropout)
+        )
+        self.IC2 = nn.Sequential(
+            nn.BatchNorm2d(planes, track_running_stats=False), nn.Dropout(dropout)
+        )
+
+    def forward(self, x):
+        out = self.IC1(F.relu(self.conv1(x)))
+        out += self.shortcut(x)
+        return self.IC2(F.relu(out))
+
+
+class OCSResNet(nn.Module):
+    """OCS's ``ResNet`` in miniature (two blocks, 8x8 images): the logits of the classes of
+    other tasks than ``task_id`` overwritten through ``.data`` with ``-10e10`` (five classes
+    a task, ``n_classes`` an int)."""
+
+    def __init__(self, nf: int = 4, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, nf, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(nf, track_running_stats=False)
+        self.layer1 = nn.Sequential(OCSBasicBlock(nf, nf))
+        self.layer2 = nn.Sequential(OCSBasicBlock(nf, 2 * nf, stride=2))
+        self.linear = nn.Linear(2 * nf, classes)
+
+    def forward(self, x, task_id):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.avg_pool2d(self.layer2(self.layer1(out)), 4).flatten(1)
+        out = self.linear(out)
+        offset1, offset2 = int((task_id - 1) * 5), int(task_id * 5)
+        if offset1 > 0:
+            out[:, :offset1].data.fill_(-10e10)
+        if offset2 < 100:
+            out[:, offset2:100].data.fill_(-10e10)
+        return out
+
+
+def ocs_flat_grads(model, attr: str = "grad") -> torch.Tensor:
+    """``core/utils.py``'s ``flatten_grads`` (no ``bn`` or ``IC`` parameter, none without a
+    gradient), or the same parameters' ``grad1`` rows."""
+    rows = []
+    for name, p in model.named_parameters():
+        got = getattr(p, attr, None)
+        if got is not None and "bn" not in name and "IC" not in name:
+            rows.append(
+                got.detach().reshape(len(got), -1) if attr == "grad1" else got.detach().view(-1)
+            )
+    return torch.cat(rows, 1 if attr == "grad1" else 0)
+
+
+def test_ocs_cifar_resnet_batch_statistics_refused_then_grad1_is_its_own_loop_once_converted():
+    """jaehong31/OCS ``core/train_methods_cifar.py`` with ``core/models.py``: the CIFAR runs
+    rank each stream batch by ``compute_and_flatten_example_grads`` (``core/utils.py``: the
+    model in eval mode, one forward of the batch, ``loss[idx].backward(retain_graph=True)``
+    for each example, ``flatten_grads`` of the parameters but the normalizations'), in a
+    ResNet whose batch norms keep no running statistics (``track_running_stats=False``), so
+    that even in eval mode every example's output depends on the batch: hooked, its forward
+    is refused (``MixedExamplesError`` naming ``bn1`` and ``track_running_stats``, the model
+    as it was). Converted (``gradhooks.convert_batch_norm(model, num_groups=1)``: with the
+    default group per channel, the last block's normalization followed by the global average
+    pool would leave each channel its bias alone, the same for every example), one hooked
+    backward of the mean
+    loss of task 2's batch (the other task's logits overwritten through ``.data``) gives
+    rows of ``grad1`` that are the script's own loop's, on the same converted model in
+    float64, and the same ranking by ``sample_selection`` against a coreset's gradient."""
+    B, TAU = 6, 10.0
+    torch.manual_seed(0)
+    model = OCSResNet().to(D).eval()
+    g = torch.Generator().manual_seed(17)
+    x, y = torch.randn(B, 3, 8, 8, generator=g, dtype=D), 5 + torch.randint(5, (B,), generator=g)
+    before = model_state(model)
+    with gradhooks.add_hooks(model):
+        raised(gradhooks.MixedExamplesError, ["'bn1'", "track_running_stats=False"],
+               lambda: F.cross_entropy(model(x, 2), y).backward())  # fmt: skip
+    assert_untouched(model, before)
+    model = gradhooks.convert_batch_norm(model, num_groups=1)
+    cx, cy = torch.randn(4, 3, 8, 8, generator=g, dtype=D), torch.randint(5, (4,), generator=g)
+    # the script's loop (compute_and_flatten_example_grads), on the converted model
+    model.zero_grad()
+    F.cross_entropy(model(cx, 1), cy).backward()
+    ref_grads = ocs_flat_grads(model).clone()
+    model.zero_grad()
+    losses = F.cross_entropy(model(x, 2), y, reduction="none")
+    rows = []
+    for idx in range(B):
+        losses[idx].backward(retain_graph=True)
+        rows.append(ocs_flat_grads(model))
+        model.zero_grad()
+    want = torch.stack(rows)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x, 2), y).backward()
+        eg = ocs_flat_grads(model, "grad1")
+        assert model.layer1[0].conv2.weight.grad is None and not hasattr(
+            model.layer1[0].conv2.weight, "grad1"
+        )
+        torch.testing.assert_close(eg, want, rtol=1e-9, atol=1e-12)
+        got = ocs_sample_selection(eg.mean(0), eg, TAU, ref_grads)
+        ref = ocs_sample_selection(want.mean(0), want, TAU, ref_grads)
+        assert ref[1].unique().numel() == B  # (a ranking without ties)
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-9, atol=1e-9)
+        assert torch.equal(got[0], ref[0])
