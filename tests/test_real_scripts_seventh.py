@@ -21,8 +21,8 @@ scrubbed weights) is compared with the same computed from each example's own gra
 float64 loop; where a step draws noise, the noise is drawn again from a generator of the
 same seed; under bfloat16 autocast the comparison has a stated tolerance. Where the
 script's own form is refused (a mean loss handed to the DP optimizer, a model hooked while
-its batch norms train, a whole model saved and loaded between tasks, whose copy is not
-hooked), the test checks the refusal, that it left the model as it was, and its remedy. No
+its batch norms train, batch norms that keep no running statistics and so use the batch's
+even in eval mode, a whole model saved and loaded between tasks, whose copy is not hooked), the test checks the refusal, that it left the model as it was, and its remedy. No
 script here found a wrong number or a false refusal; one refusal said too little: autograd-
 hacks' functions on a saved and loaded (or deep-copied) hooked model said only to call
 ``add_hooks`` "first (or it was already removed)", and now say that the model is a copy of a
