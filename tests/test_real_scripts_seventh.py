@@ -6,25 +6,26 @@ repository (cited in its docstring: repository and path), its model and its loop
 there, at tiny sizes, on synthetic data, in float64 where the script allows. Here gradhooks
 takes the place of the per-example machinery of scripts the other sets leave out: the
 fast-dpsgd benchmark's DP optimizers (BackPACK's, whose ``grad_batch`` and ``batch_l2`` are
-``grad1`` and its squares over the batch size, on the models BackPACK could not run there,
-the bag of embeddings and the sequence-first LSTM; gradcnn's, whose ``bgrad`` is the same;
-Opacus' engine on an LSTM started from a fixed random state per example), DeepCore's GraNd
-scores from its embedding recorder, FLSim's sample-level DP clients under a server's FedAvg
-with a learning rate, fairscale's AdaScale gain (its spread of micro-batch gradients, here
-the examples' own), the Fisher forgetting of "Eternal Sunshine of the Spotless Net" (a
-backward per class, weighted by the model's probabilities), certified-removal's private
-feature extractor (clipped over process batches, one noise per batch), VOGN's Gauss-Newton
-diagonal over Monte Carlo weight samples, and OCS's online coreset selection through
-autograd-hacks' functions. At every step what
-the script computes from gradhooks (the update, the scores, the gain, the Fisher, the
-scrubbed weights) is compared with the same computed from each example's own gradient by a
-float64 loop; where a step draws noise, the noise is drawn again from a generator of the
-same seed; under bfloat16 autocast the comparison has a stated tolerance. Where the
-script's own form is refused (a mean loss handed to the DP optimizer, a model hooked while
-its batch norms train, batch norms that keep no running statistics and so use the batch's
-even in eval mode, a whole model saved and loaded between tasks, whose copy is not hooked), the test checks the refusal, that it left the model as it was, and its remedy. No
-script here found a wrong number or a false refusal; one refusal said too little: autograd-
-hacks' functions on a saved and loaded (or deep-copied) hooked model said only to call
+``grad1`` and its squares over the batch size, on the models BackPACK could not run there, the
+bag of embeddings and the sequence-first LSTM; gradcnn's, whose ``bgrad`` is the same; Opacus'
+engine on an LSTM started from a fixed random state per example), DeepCore's GraNd scores from
+its embedding recorder, FLSim's sample-level DP clients under a server's FedAvg with a learning
+rate, fairscale's AdaScale gain (its spread of micro-batch gradients, here the examples' own),
+the Fisher forgetting of "Eternal Sunshine of the Spotless Net" (a backward per class, weighted
+by the model's probabilities), certified-removal's private feature extractor (clipped over
+process batches, one noise per batch), VOGN's Gauss-Newton diagonal over Monte Carlo weight
+samples, and OCS's online coreset selection through autograd-hacks' functions. At every step
+what the script computes from gradhooks (the update, the scores, the gain, the Fisher, the
+scrubbed weights, the ranking) is compared with the same computed from each example's own
+gradient by a float64 loop; where a step draws noise, the noise is drawn again from a generator
+of the same seed; under bfloat16 autocast the comparison has a stated tolerance. Where the
+script's own form is refused (a mean loss handed to the DP optimizer, a model hooked while its
+batch norms train, batch norms that keep no running statistics and so use the batch's even in
+eval mode, a whole model saved and loaded between tasks, whose copy is not hooked), the test
+checks the refusal, that it left the model as it was, and its remedy.
+
+No script here found a wrong number or a false refusal; one refusal said too little:
+autograd-hacks' functions on a saved and loaded (or deep-copied) hooked model said only to call
 ``add_hooks`` "first (or it was already removed)", and now say that the model is a copy of a
 hooked model, which is not hooked, and to hook it.
 """
