@@ -811,6 +811,9 @@ def test_certified_removal_train_private_process_batches_clipped_then_one_noise(
     hooks.remove()
 
 
+# -- TheSalon/fast-dpsgd: gradcnn's DP optimizer on grad1 -------------------------------------
+
+
 class CIFAR10Model(nn.Module):
     """fast-dpsgd's ``CIFAR10Model`` (``pytorch.py``, ``owkindp.py``) in miniature: a
     ``ModuleList`` of ReLU convolutions in ``Sequential``s and average pools, a last
