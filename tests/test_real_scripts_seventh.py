@@ -37,6 +37,7 @@ rather than putting it back (a strict xfail).
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -172,12 +173,13 @@ def test_fast_dpsgd_backpack_dp_sgd_on_grad1_over_the_batch_size(kind):
             torch.testing.assert_close(norms, flat(want).norm(dim=1), rtol=1e-9, atol=1e-12)
             params = list(model.parameters())
             batch = [p.grad1 / b for p in params]
-            backpack_dp_sgd_step(params, batch, [r.flatten(1).square().sum(1) for r in batch],
-                                 0.5, max_norm, stddev, torch.Generator().manual_seed(step))  # fmt: skip
+            l2 = [r.flatten(1).square().sum(1) for r in batch]
+            noise = torch.Generator().manual_seed(step)
+            backpack_dp_sgd_step(params, batch, l2, 0.5, max_norm, stddev, noise)
             ref = [w / b for w in want.values()]
-            backpack_dp_sgd_step(list(twin.parameters()), ref,
-                                 [r.flatten(1).square().sum(1) for r in ref],
-                                 0.5, max_norm, stddev, torch.Generator().manual_seed(step))  # fmt: skip
+            ref_l2 = [r.flatten(1).square().sum(1) for r in ref]
+            noise = torch.Generator().manual_seed(step)
+            backpack_dp_sgd_step(list(twin.parameters()), ref, ref_l2, 0.5, max_norm, stddev, noise)
             assert_all(dict(model.named_parameters()), dict(twin.named_parameters()),
                        f"{kind} step {step}: weights")  # fmt: skip
     assert not any(hasattr(p, "grad1") for p in twin.parameters())
@@ -203,16 +205,17 @@ class OpacusLSTMNet(nn.Module):
 
 @pytest.mark.parametrize("method", ["bookkeeping", "ghost", "grad1"])
 def test_fast_dpsgd_opacus_lstm_with_a_random_initial_state_per_example(method):
-    """TheSalon/fast-dpsgd ``opacusdp.py``: the LSTM model with its fixed random initial
-    state of the batch's size, Opacus' ``PrivacyEngine(batch_size=..., noise_multiplier=σ,
+    """TheSalon/fast-dpsgd ``opacusdp.py``: the LSTM model with its fixed random initial state of
+    the batch's size, Opacus' ``PrivacyEngine(batch_size=..., noise_multiplier=σ,
     max_grad_norm=C).attach(optimizer)`` on SGD, and the script's ``loss.backward()`` of the
-    mean ``CrossEntropyLoss``. With ``add_hooks(model, quantities=("norms",))`` (``"grad1"``
-    for its method) and ``DPOptimizer(SGD, max_grad_norm=C, noise_multiplier=σ,
-    expected_batch_size=B, method=...)`` in the engine's place, by each of the three methods, the script's mean loss handed to ``opt.backward`` is refused (a
-    ``ConfigurationError`` that asks for the ``[batch]`` losses, the model, its ``.grad`` and
-    its hooks as they were); the remedy, ``reduction="none"``, gives over 3 steps the norms
-    of the float64 loop, in which example ``i`` starts from row ``i`` of the initial state,
-    and weights that are the loop's clipped mean plus the noise of the same seed."""
+    mean ``CrossEntropyLoss``. With ``add_hooks(model, quantities=("norms",))`` (``"grad1"`` for
+    its method) and ``DPOptimizer(SGD, max_grad_norm=C, noise_multiplier=σ,
+    expected_batch_size=B, method=...)`` in the engine's place, by each of the three methods,
+    the script's mean loss handed to ``opt.backward`` is refused (a ``ConfigurationError`` that
+    asks for the ``[batch]`` losses, the model, its ``.grad`` and its hooks as they were); the
+    remedy, ``reduction="none"``, gives over 3 steps the norms of the float64 loop, in which
+    example ``i`` starts from row ``i`` of the initial state, and weights that are the loop's
+    clipped mean plus the noise of the same seed."""
     B, C, SIGMA, LR = 5, 1.0, 1.1, 0.5
     torch.manual_seed(0)
     model = OpacusLSTMNet(B).to(D)
@@ -326,8 +329,8 @@ def test_deepcore_grand_scores_from_the_last_layers_grad1_in_eval_mode():
         if run == 0:  # hooked while training: refused
             before = model_state(model)
             with gradhooks.add_hooks(model):
-                raised(gradhooks.MixedExamplesError, ["'bn1'", "model.eval()"],
-                       lambda m=model: criterion(m(data[:SEL]), targets[:SEL]).backward())  # fmt: skip
+                out = partial(model, data[:SEL])
+                raised(gradhooks.MixedExamplesError, ["'bn1'", "model.eval()"], out)
             assert_untouched(model, before)
         for _ in range(EPOCHS):
             for idx in torch.randperm(N, generator=g).split(SEL):
@@ -509,17 +512,17 @@ class AdaScaleStats:
 @pytest.mark.parametrize("precision", ["float64", "bf16-autocast"])
 def test_fairscale_adascale_gain_from_per_example_norms_as_micro_batches_of_one(precision):
     """facebookresearch/fairscale ``fairscale/optim/adascale.py``: AdaScale wraps SGD (two
-    parameter groups, body and head), its parameter hooks add every backward's squared
-    gradient norm to ``local_grad_sqr``, and after ``num_gradients_to_accumulate``
-    backwards it estimates the gradient's variance and squared norm from the micro-batches'
-    spread, and scales each group's learning rate by its gain. With micro-batches of one
-    example the spread is the examples' own: one hooked backward of the batch's summed loss
-    (``add_hooks(model, "sum", quantities=("norms",))``) gives ``local_grad_sqr`` as each
-    group's ``h.param_norms()`` squared and summed over the examples, ``.grad`` the
-    accumulated gradient, and over 4 steps of 8 examples (scale 4) the statistics, the gains
-    and the weights are those of AdaScale's own accumulation of 8 one-example backwards in
-    float64 (its parameter hooks summing each backward's squared norms). Under bfloat16 autocast (float32 weights) the squared norms are within
-    3% of the loop's at the same weights and the gains within 1%."""
+    parameter groups, body and head), its parameter hooks add every backward's squared gradient
+    norm to ``local_grad_sqr``, and after ``num_gradients_to_accumulate`` backwards it estimates
+    the gradient's variance and squared norm from the micro-batches' spread, and scales each
+    group's learning rate by its gain. With micro-batches of one example the spread is the
+    examples' own: one hooked backward of the batch's summed loss (``add_hooks(model, "sum",
+    quantities=("norms",))``) gives ``local_grad_sqr`` as each group's ``h.param_norms()``
+    squared and summed over the examples, ``.grad`` the accumulated gradient, and over 4 steps
+    of 8 examples (scale 4) the statistics, the gains and the weights are those of AdaScale's
+    own accumulation of 8 one-example backwards in float64 (its parameter hooks summing each
+    backward's squared norms). Under bfloat16 autocast (float32 weights) the squared norms are
+    within 3% of the loop's at the same weights and the gains within 1%."""
     B, SCALE = 8, 4.0
     torch.manual_seed(0)
     dtype = D if precision == "float64" else torch.float32
@@ -1035,8 +1038,10 @@ def ocs_rows(state: dict, x, y, seed: int) -> torch.Tensor:
     with gradhooks.paused():
         losses = F.cross_entropy(model(x), y, reduction="none")
         params = list(model.parameters())
-        rows = [torch.cat([g.flatten() for g in torch.autograd.grad(one, params, retain_graph=True)])
-                for one in losses]  # fmt: skip
+        rows = [
+            torch.cat([g.flatten() for g in torch.autograd.grad(one, params, retain_graph=True)])
+            for one in losses
+        ]
     return torch.stack(rows)
 
 
@@ -1046,19 +1051,19 @@ def test_ocs_selects_by_grad1_then_a_saved_and_loaded_model_must_be_hooked_again
     config['ocspick']``); each stream batch is run whole (``clear_backprops``, the mean loss's
     backward, ``compute_grad1``), ``sample_selection`` ranks its examples by their gradients
     (``flatten_example_grads`` of ``grad1``, ``flatten_grads`` of ``.grad``) and the model
-    trains on the best ``batch_size``; from the second task on the ranking adds each
-    example's affinity to the coreset's gradient (``train_ocs_single_step``) and the loss the
-    coreset's. Between tasks the whole model is saved and loaded (``torch.save(model)``,
-    ``torch.load``): autograd-hacks' hooks travel in the pickle, gradhooks' do not, so with
-    ``import gradhooks as autograd_hacks`` the second task's ``clear_backprops`` on the loaded
-    model is refused (a ``ConfigurationError`` saying it is a copy of a hooked model, and to
-    hook it; so is ``compute_grad1`` on a deep copy), leaving it as it was; hooked again, it
-    trains on. Its training step backpropagates one loss over the picked examples and a
-    coreset batch of another size, which has no per-example rows: refused (a ``StateError``
-    whose remedy, for a step that needs no ``grad1``, is ``disable_hooks()``), leaving the
-    model as it was, and run with the hooks disabled. At every step (dropout in training, the same draws for the loop) the rows of
-    ``grad1`` are the examples' own gradients of the float64 loop, and the scores and the
-    picks are the loop's."""
+    trains on the best ``batch_size``; from the second task on the ranking adds each example's
+    affinity to the coreset's gradient (``train_ocs_single_step``) and the loss the coreset's.
+    Between tasks the whole model is saved and loaded (``torch.save(model)``, ``torch.load``):
+    autograd-hacks' hooks travel in the pickle, gradhooks' do not, so with ``import gradhooks as
+    autograd_hacks`` the second task's ``clear_backprops`` on the loaded model is refused (a
+    ``ConfigurationError`` saying it is a copy of a hooked model, and to hook it; so is
+    ``compute_grad1`` on a deep copy), leaving it as it was; hooked again, it trains on. Its
+    training step backpropagates one loss over the picked examples and a coreset batch of
+    another size, which has no per-example rows: refused (a ``StateError`` whose remedy, for a
+    step that needs no ``grad1``, is ``disable_hooks()``), leaving the model as it was, and run
+    with the hooks disabled. At every step (dropout in training, the same draws for the loop)
+    the rows of ``grad1`` are the examples' own gradients of the float64 loop, and the scores
+    and the picks are the loop's."""
     import gradhooks as autograd_hacks
 
     BS, STREAM, TAU, REF = 3, 8, 1000.0, 10.0
