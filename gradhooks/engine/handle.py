@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .. import _torch
 from ..errors import ConfigurationError, ConfigurationTypeError, StateError, listed_names
-from ..inert import InertHandle, sweep_with
+from ..inert import InertHandle, InertHook, sweep_with
 from ..loop import per_example
 from ..quantities import _INTERNAL, QUANTITIES, Collector, total_norms
 from ..quantities.noise import NoiseScale, noise_scale
@@ -1358,12 +1358,26 @@ def hooks_of(model: nn.Module) -> Hooks:
     """The active handle of a hooked model (raises if it has none)."""
     require_module(model, "hooks_of")
     found = _ACTIVE.get(model)
+    if found is None and _is_copy_of_hooked(model):
+        raise ConfigurationError(
+            f"{type(model).__qualname__} has no gradhooks hooks: it is a copy of a hooked model "
+            "(copy.deepcopy, pickle, or torch.save(model) then torch.load), and a copy is not "
+            "hooked (autograd-hacks' hooks travel with a saved model, gradhooks' do not), or the "
+            "hooks it was given since were removed. Hook it: gradhooks.add_hooks(model)"
+        )
     if found is None:
         raise ConfigurationError(
             f"{type(model).__qualname__} has no gradhooks hooks: call gradhooks.add_hooks(model) "
             "first (or it was already removed)"
         )
     return found
+
+
+def _is_copy_of_hooked(model: nn.Module) -> bool:
+    """Whether ``model`` carries the inert hooks a hooked model's copy is left with."""
+    return any(
+        isinstance(hook, InertHook) for m in model.modules() for hook in _torch.forward_pre_hooks(m)
+    )
 
 
 def require_module(model: Any, where: str) -> None:
