@@ -749,6 +749,11 @@ class ForwardCapture:
         tracker.propagate(name, args, kwargs, out)
         if not isinstance(out, Tensor) or not out.requires_grad:
             return out
+        if _torch.is_view(out):
+            # F.linear on [batch, seq, in] returns a view, whose gradient hook an in-place
+            # change (`out += lora(x)`) would drop: the same memory, as an output of its own
+            old, out = out, unview(out)
+            tracker.carry(old, out)
         key = (name, *(id(p) for p in named.values()))
         target = self.functional_targets.get(key)
         if target is None:
