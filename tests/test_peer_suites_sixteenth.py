@@ -49,7 +49,11 @@ Found and fixed: a module's own parameters given to ``F.linear`` in its ``forwar
 the next line changes in place (``result += ...``), had no ``grad1`` (a warning said no forward
 was captured, and the DP step refused them): the output of ``F.linear`` on ``[batch, seq, in]`` is
 a view, and an in-place change drops a view's gradient hooks. gradhooks now hooks that output as
-it hooks a layer's, as a tensor of its own.
+it hooks a layer's, as a tensor of its own. And a weight a module gives to ``F.linear`` before
+more of its own ``forward`` (an activation, the LoRA update) got no Kronecker factors from
+:func:`gradhooks.kfac`, with no warning (:class:`gradhooks.KFAC` then stepped it on its raw
+gradient), and :func:`gradhooks.jacobians` refused it: their backwards stopped at the hooked
+modules' outputs, before that call; they now reach the outputs of such calls too.
 
 ``grad1[i]`` is always the gradient of example ``i``'s own loss (the loss of a batch of one).
 Every comparison is in float64 at the harness's ``rtol=1e-7, atol=1e-9`` unless a test says
@@ -1160,3 +1164,77 @@ def test_f_linear_output_changed_in_place(shape, change):
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         model(x).square().sum().backward()
     assert_grad1(model, want, f"{change.__name__} on {shape}")
+
+
+class OwnLinear(nn.Module):
+    """A custom layer that gives its own weight and bias to ``F.linear``, then (``inner``)
+    applies a ``tanh`` in the same ``forward``, or leaves that to the next layer."""
+
+    def __init__(self, inner: bool):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6))
+        self.inner = inner
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        return torch.tanh(out) if self.inner else out
+
+
+class MeanOverPositions(nn.Module):
+    def forward(self, x):
+        return x.mean(1) if x.dim() == 3 else x
+
+
+def own_and_twin(inner: bool) -> tuple[nn.Module, nn.Module]:
+    """``OwnLinear`` then a Linear head (the outputs averaged over positions), and its twin
+    of ``nn.Linear`` layers (the same numbers)."""
+    torch.manual_seed(0)
+    after = nn.Identity() if inner else nn.Tanh()
+    own = nn.Sequential(OwnLinear(inner), after, nn.Linear(6, 3), MeanOverPositions())
+    twin = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3), MeanOverPositions())
+    twin.load_state_dict(own.state_dict())
+    return own.double(), twin.double()
+
+
+@pytest.mark.parametrize("fisher", ["exact", "empirical", "mc"])
+@pytest.mark.parametrize("shape", [(8, 4), (4, 5, 4)], ids=["flat", "sequence"])
+@pytest.mark.parametrize("inner", [True, False], ids=["tanh_inside", "tanh_after"])
+def test_kfac_and_jacobians_of_a_weight_given_to_f_linear(inner, shape, fisher):
+    """A weight its module gives to ``F.linear`` (as loralib's, kronfluence's and many custom
+    layers do) has the Kronecker factors of an ``nn.Linear`` in its place, and its
+    Jacobians are autograd's, also where the module applies more after ``F.linear`` (then
+    ``gradhooks.kfac`` left the weight out without a word, ``gradhooks.KFAC`` stepped it
+    unpreconditioned, and ``jacobians`` refused it), on ``[batch, in]`` and
+    ``[batch, 5, in]``."""
+    own, twin = own_and_twin(inner)
+    x, y = torch.randn(*shape, dtype=D), torch.randint(3, shape[:1])
+    got = gradhooks.kfac(own, x, y, fisher=fisher, generator=torch.Generator().manual_seed(1))
+    want = gradhooks.kfac(twin, x, y, fisher=fisher, generator=torch.Generator().manual_seed(1))
+    assert sorted(got) == sorted(want) == ["0.weight", "2.weight"]
+    for n, f in want.items():
+        assert_close(got[n].A, f.A, f"A of {n}")
+        assert_close(got[n].G, f.G, f"G of {n}")
+        assert got[n].bias_name == f.bias_name
+
+    jac = gradhooks.jacobians(own, x)
+    params = {n: p.detach() for n, p in own.named_parameters()}
+    ref = torch.func.vmap(
+        torch.func.jacrev(lambda p, xi: torch.func.functional_call(own, p, (xi[None],))[0]),
+        in_dims=(None, 0),
+    )(params, x)
+    for n, r in ref.items():
+        assert_close(jac[n], r.reshape(jac[n].shape), f"Jacobian of {n}")
+
+
+def test_kfac_optimizer_preconditions_a_weight_given_to_f_linear():
+    """``gradhooks.KFAC`` on the model whose first layer gives its weight to ``F.linear``
+    then applies a ``tanh``: the same step as on its ``nn.Linear`` twin (the weight was
+    stepped on its raw gradient, without a word)."""
+    own, twin = own_and_twin(inner=True)
+    x, y = torch.randn(8, 4, dtype=D), torch.randint(3, (8,))
+    for model in (own, twin):
+        opt = gradhooks.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), fisher="exact")
+        F.cross_entropy(model(x), y).backward()
+        opt.step(x)
+    for (n, p), q in zip(own.named_parameters(), twin.parameters(), strict=True):
+        assert_close(p, q, f"{n} after the step")
