@@ -1114,6 +1114,9 @@ def test_dp_transformers_merged_linear(enable_lora, r, alpha, bias, fan_in_fan_o
         gradhooks.clear_grad1(model)
 
 
+# == the engine cases behind loralib's layer ====================================================
+
+
 class LinearPlusInPlace(nn.Module):
     """The engine case behind loralib's layer: parameters of the module itself in
     ``F.linear`` (its ``forward`` hooked as the Linear rule's call), whose output on a
