@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..errors import ConfigurationError, StateError
 from ..quantities import Collector
 from ..tracking import Tracker
+from .forward import output_edges
 from .handle import Hooks
 from .records import BackwardMode, drop_box
 
@@ -100,6 +101,14 @@ class EngineAPI:
         asks for every parameter)."""
         current = self._hooks._state.current
         return [current.get(id(p), p) for p in params]
+
+    def output_edges(self):
+        """While a forward of the model runs inside: the gradient edges of every hooked call's
+        outputs, of its modules and of the torch functions captured as calls
+        (:func:`~gradhooks.engine.forward.output_edges`), for a backward that reaches every
+        hooked call without forming the parameters' batch gradients."""
+        hooks = self._hooks
+        return output_edges((m for _, m in hooks.modules()), hooks._forwards)
 
     def directly_used(self) -> set[int]:
         """The ids of the hooked parameters the forwards used outside their modules' calls."""

@@ -101,6 +101,8 @@ class ForwardCapture:
         self.follow_changes: Callable[[nn.Module | None], None] = lambda model: None
         # a Target per torch function and parameters captured as a call (F.linear of a tied weight)
         self.functional_targets: dict[tuple, Target] = {}
+        # the output_edges() lists open now: each such call's output is added to them
+        self.edge_sinks: list[_Edges] = []
         # the outputs hooked calls returned, where a global forward hook of others returns another
         self.layer_outputs = LayerOutputs(lambda module: False)
 
@@ -749,6 +751,11 @@ class ForwardCapture:
         tracker.propagate(name, args, kwargs, out)
         if not isinstance(out, Tensor) or not out.requires_grad:
             return out
+        if _torch.is_view(out):
+            # F.linear on [batch, seq, in] returns a view, whose gradient hook an in-place
+            # change (`out += lora(x)`) would drop: the same memory, as an output of its own
+            old, out = out, unview(out)
+            tracker.carry(old, out)
         key = (name, *(id(p) for p in named.values()))
         target = self.functional_targets.get(key)
         if target is None:
@@ -773,6 +780,8 @@ class ForwardCapture:
                 self.backwards.spend(held)
 
         out.register_hook(hook)
+        for sink in self.edge_sinks:
+            sink.add(out)
         return out
 
     def _made_shared(
@@ -1540,16 +1549,24 @@ class _Edges(list):
 
     numel = 0
 
+    def add(self, t: Tensor) -> None:
+        """The gradient edge of ``t``, an output of a hooked call."""
+        self.append(torch.autograd.graph.get_gradient_edge(t))
+        self.numel += t.numel()
+
 
 @contextlib.contextmanager
-def output_edges(modules: Iterable[nn.Module]) -> Iterator[_Edges]:
+def output_edges(
+    modules: Iterable[nn.Module], forwards: ForwardCapture | None = None
+) -> Iterator[_Edges]:
     """While a forward of the hooked model runs inside: the gradient edges of every hooked
     call's output tensors that require grad, in a list (the outputs themselves are not kept
-    alive). A backward taken with respect to them, ``torch.autograd.grad(out, edges)``, reaches
-    every hooked call, whose hooks then fire, without forming any parameter's batch gradient
-    (for a convolution batched over several output-gradients, the largest part of the work)."""
-    from torch.autograd.graph import get_gradient_edge
-
+    alive): the calls of ``modules``, and with ``forwards``, those of the torch functions it
+    captures as calls (a module's own weight given to ``F.linear``, then an activation inside
+    the same module: the module's output alone would stop the backward before it). A backward
+    taken with respect to them, ``torch.autograd.grad(out, edges)``, reaches every hooked call,
+    whose hooks then fire, without forming any parameter's batch gradient (for a convolution
+    batched over several output-gradients, the largest part of the work)."""
     targets = {id(module) for module in modules}
     edges = _Edges()
 
@@ -1557,11 +1574,14 @@ def output_edges(modules: Iterable[nn.Module]) -> Iterator[_Edges]:
         if id(module) in targets:
             for t in tree_leaves(output):
                 if isinstance(t, Tensor) and t.requires_grad:
-                    edges.append(get_gradient_edge(t))
-                    edges.numel += t.numel()
+                    edges.add(t)
 
     handle = nn.modules.module.register_module_forward_hook(collect)
+    if forwards is not None:
+        forwards.edge_sinks.append(edges)
     try:
         yield edges
     finally:
         handle.remove()
+        if forwards is not None:
+            forwards.edge_sinks.remove(edges)

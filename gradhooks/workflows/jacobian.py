@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from .. import _torch
 from .._torch import tree_flatten
 from ..engine.api import engine_of
-from ..engine.forward import output_edges
 from ..engine.handle import Hooks, add_hooks, require_module
 from ..engine.records import autocast_dtype
 from ..errors import (
@@ -292,7 +291,7 @@ class HookedForward:
 def hooked_forward(h: Hooks, model: nn.Module, args: tuple, kwargs: dict) -> HookedForward:
     """``model(*args, **kwargs)`` under the hooks ``h``, noting what :func:`jacobians` and
     :func:`gradhooks.kfac` need for their backwards."""
-    with _frame_tracker(h, model) as seen, output_edges(m for _, m in h.modules()) as reached:
+    with _frame_tracker(h, model) as seen, engine_of(h).output_edges() as reached:
         out = model(*args, **kwargs)
     tracker = seen.get("tracker")
     first = input_tensors((args, kwargs))[0]
