@@ -355,21 +355,30 @@ class StepByStep(nn.Module):
 
 @pytest.mark.parametrize("time", [1, 3])
 def test_layer_on_the_data_of_a_packed_sequence_is_refused(time):
-    """A layer called on rows of a PackedSequence's data: they are the examples' time steps in
-    the order of their lengths, not one example each (also for ``T = 1``, where there are as many
-    rows as examples). Refused at the forward, naming the layer."""
+    """A layer called on rows of a PackedSequence's data, one time step's at a time: they are
+    the examples' time steps in the order of their lengths, part of the data, not one example
+    each. Refused at the forward, naming the layer. For ``T = 1`` the one step's rows are the
+    whole data, each row one example's (in the order of their lengths), which the layer's
+    rule is given; the first state (zeros, the same for every example) meets them after
+    'hh', whose share of each example's gradient cannot be told: the backward says so, with
+    nothing written."""
     torch.manual_seed(0)
     model = StepByStep().double()
     x = torch.randn(3, time, 2, dtype=torch.float64)
     packed = pack_padded_sequence(x, torch.tensor([time] * 3), batch_first=True)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
-        with pytest.raises(gradhooks.UnsupportedError, match=r"'ih' \(Linear\): its input \(\(3, 2\)\) is the "
-                           "data of a PackedSequence"):  # fmt: skip
-            model(packed)
-    # without the layer on the data: the first state (zeros, the same for every example) meets
-    # it after 'hh', whose share of each example's gradient cannot be told: the backward says so;
-    # from the second step on, 'hh' is given the state computed from the data's rows (a
-    # function of each row, as the data itself is): refused at the forward
+        if time > 1:
+            with pytest.raises(gradhooks.UnsupportedError, match=r"'ih' \(Linear\): its input "
+                               r"\(\(3, 2\)\) is the data of a PackedSequence"):  # fmt: skip
+                model(packed)
+        else:
+            out = model(packed)
+            with pytest.raises(gradhooks.BatchNotFoundError, match=r"'hh' \(Linear\): its inputs "
+                               r"do not depend on the examples.*the data of a PackedSequence"):  # fmt: skip
+                out.pow(2).sum().backward()
+    assert all(not hasattr(p, "grad1") and p.grad is None for p in model.parameters())
+    # without the layer on the data: the same meeting; from the second step on, 'hh' is given
+    # the state computed from the data's rows, part of the data: refused at the forward
     model = StepByStep(ih=False).double()
     x = torch.randn(3, time, 3, dtype=torch.float64)
     packed = pack_padded_sequence(x, torch.tensor([time] * 3), batch_first=True)
@@ -389,44 +398,77 @@ class OnPackedData(nn.Module):
     """A tagger that gives a Linear what an operation made of its LSTM's packed data (the
     examples' time steps, packed longest first)."""
 
-    def __init__(self, op):
+    def __init__(self, op, enforce_sorted: bool = False):
         super().__init__()
-        self.op = op
+        self.op, self.enforce_sorted = op, enforce_sorted
         self.rnn, self.fc = nn.LSTM(2, 3, batch_first=True), nn.Linear(3, 2)
 
     def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
-        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        packed = pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=self.enforce_sorted
+        )
         out, _ = self.rnn(packed)
         return self.fc(self.op(out.data))
 
 
-# what each row of the packed data keeps apart and in place (its rows still the packed data),
-# and what regroups, moves or combines them
-ON_PACKED_DATA = {
-    "tanh": (torch.tanh, True),
-    "clone": (torch.clone, True),
-    "stacked and summed": (lambda d: torch.stack([d, d], 1).sum(1), True),
-    "matmul": (lambda d: d @ torch.eye(3, dtype=d.dtype), True),
-    "batched matmul": (lambda d: torch.bmm(d[None], torch.eye(3, dtype=d.dtype)[None])[0], False),
-    "regrouped by view": (lambda d: d.view(2, -1, 3).reshape(-1, 3), False),
-    "unflattened": (lambda d: d.unflatten(0, (2, -1)).flatten(0, 1), False),
-    "unsqueezed": (lambda d: d.unsqueeze(0).squeeze(0), False),
-    "transposed twice": (lambda d: d.swapaxes(0, 1).swapaxes(0, 1), False),
-    "summed along the rows": (lambda d: d - d.sum(0, keepdim=True), False),
+# what keeps each row of the packed data apart and in place (its rows still the whole data)
+ROW_BY_ROW = {
+    "as it is": lambda d: d,
+    "tanh": torch.tanh,
+    "clone": torch.clone,
+    "stacked and summed": lambda d: torch.stack([d, d], 1).sum(1),
+    "matmul": lambda d: d @ torch.arange(9.0, dtype=d.dtype).view(3, 3),
+}
+# what regroups, moves, combines or cuts its rows
+NOT_ROW_BY_ROW = {
+    "batched matmul": lambda d: torch.bmm(d[None], torch.eye(3, dtype=d.dtype)[None])[0],
+    "regrouped by view": lambda d: d.view(2, -1, 3).reshape(-1, 3),
+    "unflattened": lambda d: d.unflatten(0, (2, -1)).flatten(0, 1),
+    "unsqueezed": lambda d: d.unsqueeze(0).squeeze(0),
+    "transposed twice": lambda d: d.swapaxes(0, 1).swapaxes(0, 1),
+    "summed along the rows": lambda d: d - d.sum(0, keepdim=True),
+    "rolled along the rows": lambda d: d.roll(1, 0),
+    "its first rows": lambda d: d[:6],
 }
 
 
-@pytest.mark.parametrize("what", sorted(ON_PACKED_DATA))
-def test_a_layer_on_what_is_made_of_packed_data_is_refused(what):
-    """A layer given what an operation made of a PackedSequence's data: refused at the forward,
-    naming the layer, also with ``verify=False`` (once, the data regrouped by a view or
-    unsqueezed was taken for a batch of blocks of rows, and ``grad1`` had a row per block,
-    with no error; transposed or stacked, the rule failed and the message blamed it): where
-    each row is kept apart and in place, saying that its input is the data of a
-    PackedSequence; the parameters get neither ``grad1`` nor ``.grad``."""
-    op, kept = ON_PACKED_DATA[what]
+@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("what", sorted(ROW_BY_ROW))
+def test_a_layer_on_the_whole_data_of_a_packed_sequence(what, sort):
+    """A layer given the whole data of its LSTM's PackedSequence (a tagger's ``fc(out.data)``),
+    or what keeps each of its rows apart and in place: each row is one example's time step
+    (their batch sizes and order are the PackedSequence's), and each example's gradient is
+    the sum of its rows'. Three steps of a loop, each against the float64 per-example loop,
+    the examples packed sorted by length or not."""
+    op = ROW_BY_ROW[what]
     torch.manual_seed(0)
-    model = OnPackedData(op).double()
+    model = OnPackedData(op, enforce_sorted=sort).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 5, 2, dtype=torch.float64)
+    lengths = torch.tensor([5, 4, 3, 2] if sort else [5, 2, 4, 3])
+
+    def loss(out):
+        return out.pow(2).sum()
+
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        for _ in range(3):
+            want = loop_grad(model, loss, (x, lengths))
+            optimizer.zero_grad()
+            loss(model(x, lengths)).backward()
+            for n, p in model.named_parameters():
+                assert_close(p.grad1, want[n], n)
+            optimizer.step()
+
+
+@pytest.mark.parametrize("what", sorted(NOT_ROW_BY_ROW))
+def test_a_layer_on_what_regroups_packed_data_is_refused(what):
+    """A layer given what an operation made of a PackedSequence's data by regrouping, moving,
+    combining or cutting its rows: refused at the forward, naming the layer, also with
+    ``verify=False`` (once, the data regrouped by a view or unsqueezed was taken for a batch
+    of blocks of rows, and ``grad1`` had a row per block, with no error; transposed, the rule
+    failed and the message blamed it); the parameters get neither ``grad1`` nor ``.grad``."""
+    torch.manual_seed(0)
+    model = OnPackedData(NOT_ROW_BY_ROW[what]).double()
     x, lengths = torch.randn(4, 5, 2, dtype=torch.float64), torch.tensor([5, 2, 4, 3])
     with gradhooks.add_hooks(model, loss_reduction="sum", verify=False):
         with pytest.raises(
@@ -434,22 +476,26 @@ def test_a_layer_on_what_is_made_of_packed_data_is_refused(what):
         ) as caught:
             model(x, lengths).pow(2).sum().backward()
     assert "'fc' (Linear)" in str(caught.value)
-    if kept:
-        assert "is the data of a PackedSequence" in str(caught.value)
     assert all(not hasattr(p, "grad1") and p.grad is None for p in model.parameters())
 
 
 def test_opacus_rnn_on_packed_sequences_of_one_step_is_refused():
+    """Opacus' DPLSTM (its cells' linear layers in Python) on a PackedSequence of one step:
+    its input projection takes the whole data, each row one example's; its first state
+    (zeros, the same for every example) meets it after the hidden projection, whose share of
+    each example's gradient cannot be told: refused at the backward, with nothing written."""
     layers = pytest.importorskip("opacus.layers", reason="needs opacus")
     torch.manual_seed(0)
     rnn = layers.DPLSTM(5, 9, num_layers=1, batch_first=True, bias=False).double()
     x = torch.randn(2, 1, 5, dtype=torch.float64)
     packed = pack_padded_sequence(x, torch.tensor([1, 1]), batch_first=True)
     with gradhooks.add_hooks(rnn, loss_reduction="sum"):
+        out, _ = rnn(packed)
         with pytest.raises(
-            gradhooks.UnsupportedError, match=r"'l0\.ih' \(RNNLinear\).*PackedSequence"
+            gradhooks.BatchNotFoundError, match=r"'l0\.hh' \(RNNLinear\).*PackedSequence"
         ):
-            rnn(packed)
+            out.data.pow(2).sum().backward()
+    assert all(not hasattr(p, "grad1") and p.grad is None for p in rnn.parameters())
 
 
 @pytest.mark.parametrize("kind", sorted(TYPES))

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import pytest
@@ -1474,18 +1474,44 @@ def test_lazy_modules_not_yet_made_are_refused():
 
 @pytest.mark.xfail(
     strict=True,
-    raises=gradhooks.UnsupportedError,
+    raises=gradhooks.MixedExamplesError,
     reason=(
-        "A Linear applied to a PackedSequence's data (its rows each example's time steps, "
-        "packed longest first): its rule takes dimension 0 as the examples, and cannot be "
-        "given to which example each row belongs; gradhooks refuses it saying so. Following "
-        "those rows (as rows picked by an index, each owned by one example) would take a "
-        "rule of the packed data's own."
+        "The attention's scores have the whole batch's maximum taken out (att_w - "
+        "att_w.max(), one number of every example's scores, which the softmax then cancels): "
+        "the tracker takes that subtraction for a reduction over the examples, and refuses "
+        "the layer after it; telling that a later normalization cancels it would take "
+        "following the softmax written out by hand (exp, a sum, a division)."
     ),
 )
 def test_attention_on_packed_rows():
-    """A false refusal: the hierarchical attention network's word attention, whose loop works."""
+    """A false refusal: the hierarchical attention network's word attention, whose loop works.
+    Its Linears on the packed rows are followed (the test after it)."""
     assert_matches_loop(han_word_attention)
+
+
+class WordAttentionStable(WordAttention):
+    """:class:`WordAttention` with each sentence's own maximum taken out of its scores, where
+    the tutorial takes the batch's."""
+
+    def forward(self, tokens: Tensor, lengths: Tensor):
+        packed = pack_padded_sequence(self.embeddings(tokens), lengths, batch_first=True,
+                                      enforce_sorted=False)  # fmt: skip
+        packed_words, _ = self.word_rnn(packed)
+        att_w = torch.tanh(self.word_attention(packed_words.data))
+        att_w = self.word_context_vector(att_w).squeeze(1)
+        att_w, _ = pad_packed_sequence(packed_words._replace(data=att_w), batch_first=True,
+                                       padding_value=-torch.inf)  # fmt: skip
+        word_alphas = torch.softmax(att_w, dim=1)
+        sentences, _ = pad_packed_sequence(packed_words, batch_first=True)
+        sentences = (sentences * word_alphas.unsqueeze(2)).sum(dim=1)
+        return self.fc(sentences)
+
+
+def test_attention_on_packed_rows_without_the_batch_maximum():
+    """The word attention's Linears on the rows of the GRU's PackedSequence (its ``.data``,
+    time-major and sorted by length, each row one example's word): each example's gradient is
+    the sum of its rows', against the loop."""
+    assert_matches_loop(lambda: replace(han_word_attention(), model=WordAttentionStable()))
 
 
 # -- trained as users train: bfloat16 autocast, a few steps ----------------------------------------

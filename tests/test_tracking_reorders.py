@@ -515,23 +515,21 @@ def test_a_time_first_batch_packed_unsorted_in_the_model():
     """The packed data of a batch sorted by ``pack_padded_sequence`` are followed as a
     PackedSequence's, packed in its ``sorted_indices``' order, which padding back puts back:
     ``grad1`` is each example's (once refused, the batch lost where it was sorted). A Linear on
-    the packed rows themselves is refused saying so, as where the lengths come sorted."""
-    torch.manual_seed(0)
-    model = _PacksTimeFirst().double()
+    the packed rows themselves gets each example's rows, in that order too (once refused)."""
     x = torch.randn(5, 3, 3, dtype=torch.float64)
     lengths = torch.tensor([3, 5, 2])
-    want = {n: [] for n, _ in model.named_parameters()}
-    for i in range(3):
-        grads = torch.autograd.grad(
-            sum_of_squares(model(x[:, i : i + 1], lengths[i : i + 1])), list(model.parameters())
-        )
-        for (n, _), g in zip(model.named_parameters(), grads):
-            want[n].append(g)
-    with gradhooks.add_hooks(model, "sum", batch_dim=1):
-        sum_of_squares(model(x, lengths)).backward()
-    for name, p in model.named_parameters():
-        assert_close(p.grad1, torch.stack(want[name]), f"grad1 of {name}")
-    model = _PacksTimeFirst(on_data=True).double()
-    with gradhooks.add_hooks(model, "sum", batch_dim=1):
-        with pytest.raises(gradhooks.UnsupportedError, match=r"'l2' \(Linear\).*PackedSequence"):
-            model(x, lengths)
+    for on_data in (False, True):
+        torch.manual_seed(0)
+        model = _PacksTimeFirst(on_data).double()
+        want = {n: [] for n, _ in model.named_parameters()}
+        for i in range(3):
+            grads = torch.autograd.grad(
+                sum_of_squares(model(x[:, i : i + 1], lengths[i : i + 1])),
+                list(model.parameters()),
+            )
+            for (n, _), g in zip(model.named_parameters(), grads):
+                want[n].append(g)
+        with gradhooks.add_hooks(model, "sum", batch_dim=1):
+            sum_of_squares(model(x, lengths)).backward()
+        for name, p in model.named_parameters():
+            assert_close(p.grad1, torch.stack(want[name]), f"grad1 of {name}")

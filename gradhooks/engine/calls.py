@@ -687,7 +687,23 @@ class CallLayouts:
             )
         if first is PACKED:
             whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))
+            rows = None
             if not any(isinstance(a, PackedSequence) for a in whole[0]):
+                # (the whole data of a PackedSequence given to a layer with a rule: each row
+                # one example's time step, which the rule's rows are, summed per example)
+                if target.entry is not FALLBACK:
+                    rows = tracker.packed_owners(ins)
+            if rows is not None:
+                n = rows.size(batch)
+
+                def owned(t: Any, lay: Layout | None) -> Layout | None:
+                    entire = lay is PACKED and isinstance(t, Tensor) and t.dim() and len(t) == n
+                    return rows if entire else lay
+
+                lin = tuple([owned(t, lay) for t, lay in zip(ins, lin)])
+                lout = tuple([owned(t, lay) for t, lay in zip(outs, lout)])
+                first = rows
+            elif not any(isinstance(a, PackedSequence) for a in whole[0]):
                 raise UnsupportedError(
                     f"{target.where}: its input ({_shapes(args, kwargs)}) is the data of a "
                     "PackedSequence, or part of it (the examples' time steps packed together, "

@@ -945,9 +945,12 @@ class ForwardCapture:
             frame.batch = 0  # (no example: nothing to follow, and every grad1 has no row)
             return
         tracker = Tracker(batch, self.state.params, self.state.link)
-        for packed in (*args, *kwargs.values()):  # (packed in another order than the batch's)
-            if isinstance(packed, PackedSequence) and packed.sorted_indices is not None:
-                tracker.packed_orders[packed.batch_sizes] = packed.sorted_indices
+        for packed in (*args, *kwargs.values()):
+            if isinstance(packed, PackedSequence):
+                # (packed in another order than the batch's)
+                if packed.sorted_indices is not None:
+                    tracker.packed_orders[packed.batch_sizes] = packed.sorted_indices
+                tracker.note_packed(packed.data, packed.batch_sizes, packed.sorted_indices)
         for i, (t, lay) in enumerate(layouts):
             if i and lay is not PACKED:
                 tracker.add_candidate(t, lay)

@@ -305,10 +305,39 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
         if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(tr.batch)):
             lay = UNKNOWN  # (a handler's guess that the shapes contradict)
         tr.layouts[o] = lay
+    if PACKED in result:
+        note_packed_data(tr, name, args, ins, outs)
     if resolved:
         meet_after(tr, name, args, kwargs, out)
     elif tr.lineage.entries:
         inherit(tr, ins, outs)
+
+
+def note_packed_data(tr: Tracker, name: str, args, ins: list, outs: list) -> None:
+    """The whole data of a PackedSequence among ``outs`` (:meth:`.Tracker.note_packed`): what
+    ``_pack_padded_sequence`` gives (its batch sizes beside it; the examples in the order
+    :func:`packed_in_order` noted), and what a recurrent layer or an operation that keeps each
+    row apart and in place makes of such data, all of its rows, of one PackedSequence."""
+    if name == "_pack_padded_sequence":
+        if len(outs) > 1 and tr.layout(outs[0]) is PACKED:
+            tr.note_packed(outs[0], outs[1], tr.packed_orders.get(outs[1]))
+        return
+    if not tr.packed_data.entries:
+        return
+    found = None
+    for t in ins:
+        if tr.layout(t) is not PACKED:
+            continue
+        entry = tr.packed_data.get(t)
+        if entry is None or (found is not None and entry is not found):
+            return  # (not the whole data, or of two PackedSequences)
+        found = entry
+    if found is None:
+        return
+    rows = int(found[0].sum())
+    for o in outs:
+        if tr.layout(o) is PACKED and o.dim() and o.shape[0] == rows:
+            tr.packed_data[o] = found
 
 
 def packed_in_order(tr: Tracker, args, kwargs, outs: list, result):

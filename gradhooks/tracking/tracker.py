@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch
 from .aliases import aliased
-from .layout import MIXED, UNKNOWN, Layout
+from .layout import MIXED, PACKED, UNKNOWN, Layout, Owners
 from .link import EngineLink
 from .meeting import guard_vmapped, meet, note_transformed, vmapped_rows
 from .ops import data_args, facts, facts_named, quick_table
@@ -172,6 +172,11 @@ class Tracker(TorchFunctionMode):
         # order, their sorted_indices: padded again, the rows are in that order (see
         # propagate.unpacked_in_order)
         self.packed_orders: TensorMap = TensorMap()
+        # the data of the PackedSequences of the forward, whole (the model's inputs', what
+        # pack_padded_sequence and the recurrent layers gave, and what keeps each of their rows
+        # apart and in place), with their batch sizes and the order the examples were packed in
+        # (sorted_indices; None: the batch's): which example each row is (see packed_owners)
+        self.packed_data: TensorMap = TensorMap()
         self.rejoined = 0
         # the model's first input as the engine took it (:meth:`give`), and its shape
         self.given: TensorMap = TensorMap()
@@ -232,7 +237,7 @@ class Tracker(TorchFunctionMode):
         self.blocking = (
             self.aliases, self.coupled.entries, self.read, self.read_rows, self.row_index.entries,
             self.positions.entries, self.reordered.entries, self.lineage.entries,
-            self.packed_orders.entries,
+            self.packed_orders.entries, self.packed_data.entries,
         )  # fmt: skip
 
     def __getattr__(self, name: str) -> Any:
@@ -297,6 +302,46 @@ class Tracker(TorchFunctionMode):
         self.candidates[t] = True
         self.lineage[t] = frozenset({id(t)})
 
+    def note_packed(self, data: Tensor, sizes: Tensor, order: Tensor | None) -> None:
+        """``data``: the whole data of a PackedSequence of batch sizes ``sizes``, its examples
+        packed in the order ``order`` (its ``sorted_indices``; ``None``: the batch's)."""
+        self.packed_data[data] = (sizes, order)
+
+    def packed_owners(self, tensors: Sequence[Any]) -> Layout | None:
+        """Where every one of ``tensors`` that is a PackedSequence's data (:data:`PACKED`) is
+        the whole data of one and the same (:meth:`note_packed`): the example of each of its
+        rows, as rows picked from the batch (:class:`Owners` on dimension 0; row ``r`` of time
+        step ``k``'s block is the ``r``-th example in the order they were packed in). Else
+        ``None``."""
+        found, rows = None, None
+        for t in tensors:
+            if self.layout(t) is not PACKED:
+                continue
+            entry = self.packed_data.get(t)
+            if entry is None or (rows is not None and t.shape[0] != rows):
+                return None
+            if found is not None and entry is not found:
+                same = torch.equal(entry[0], found[0]) and (
+                    (entry[1] is None and found[1] is None)
+                    or (entry[1] is not None and found[1] is not None
+                        and torch.equal(entry[1], found[1]))
+                )  # fmt: skip
+                if not same:
+                    return None
+            found, rows = entry, t.shape[0]
+        if found is None:
+            return None
+        sizes, order = found
+        sizes = sizes.to("cpu", torch.int64)
+        if int(sizes.sum()) != rows:
+            return None
+        first = next(t for t in tensors if self.layout(t) is PACKED)
+        steps = torch.arange(int(sizes[0]))
+        picked = steps.expand(len(sizes), -1)[steps[None, :] < sizes[:, None]]
+        if order is not None:
+            picked = order.to("cpu", torch.int64)[picked]
+        return Layout(0, owners=Owners(picked.to(first.device)))
+
     def note_listed(self, tensors: Sequence[Tensor]) -> None:
         """``tensors``: the model's inputs held with its first in one list or tuple, the batch
         taken from dimension 0 of the first by the default guess. Where the list's index is
@@ -339,6 +384,8 @@ class Tracker(TorchFunctionMode):
             self.taint(new, self.sources_of(old))
         if self.lineage.entries and old in self.lineage:
             self.lineage[new] = self.lineage[old]
+        if self.packed_data.entries and old in self.packed_data:
+            self.packed_data[new] = self.packed_data[old]
         if self.would.entries and old in self.would:
             self.would[new] = self.would[old]
             for k in self.would[old]:
