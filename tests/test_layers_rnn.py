@@ -460,6 +460,23 @@ def test_a_layer_on_the_whole_data_of_a_packed_sequence(what, sort):
             optimizer.step()
 
 
+def test_a_layer_on_the_whole_data_of_a_packed_sequence_under_bfloat16_autocast():
+    """As above, the model in float32 under CPU bfloat16 autocast: each parameter's ``grad1``
+    within 3% of its largest entry of the float64 loop's."""
+    torch.manual_seed(0)
+    model = OnPackedData(torch.tanh).float()
+    twin = copy.deepcopy(model).double()
+    x, lengths = torch.randn(4, 5, 2), torch.tensor([5, 2, 4, 3])
+    want = loop_grad(twin, lambda out: out.pow(2).sum(), (x.double(), lengths))
+    with gradhooks.add_hooks(model, loss_reduction="sum"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, lengths)
+        out.float().pow(2).sum().backward()
+    for n, p in model.named_parameters():
+        err = (p.grad1.double() - want[n]).abs().max() / want[n].abs().max()
+        assert err < 3e-2, f"{n}: {float(err):.3g} of its largest entry"
+
+
 @pytest.mark.parametrize("what", sorted(NOT_ROW_BY_ROW))
 def test_a_layer_on_what_regroups_packed_data_is_refused(what):
     """A layer given what an operation made of a PackedSequence's data by regrouping, moving,
