@@ -56,6 +56,10 @@ class GradTrail:
         self._not_added: set[int] = set()
         # left None by the last captured backward and still None at this one's start, by id
         self._alone: set[int] = set()
+        # added into .grad by the last captured backward that computed them, yet None at its
+        # end, and since (an optimizer step fused into the backward: the step, then
+        # zero_grad, in a post-accumulate-grad hook), by id
+        self._emptied: set[int] = set()
 
     def __contains__(self, pid: int) -> bool:
         return pid in self._left
@@ -70,7 +74,7 @@ class GradTrail:
         """At the end of a backward (every gradient accumulated): what ``.grad`` holds now;
         ``params``: the parameters (or ``{id: parameter}``); ``computed``, ``added``: the ids of
         the parameters whose gradient it computed, and of those it added into ``.grad``."""
-        added = set(added)
+        added, computed = set(added), set(computed)
         not_added = self._not_added
         for pid in computed:
             if pid in added:
@@ -78,10 +82,14 @@ class GradTrail:
             else:
                 not_added.add(pid)
         items = params.items() if isinstance(params, dict) else ((id(p), p) for p in params)
-        left, seen = self._left, self._reset_seen
+        left, seen, emptied = self._left, self._reset_seen, self._emptied
         for pid, p in items:
             g = grad_of(p)
             left[pid] = (p, None, -1) if g is None else (p, weakref.ref(g), _torch.version(g))
+            if g is None and pid in added:
+                emptied.add(pid)
+            elif g is not None or pid in computed:
+                emptied.discard(pid)
             if seen:
                 seen.pop(pid, None)
 
@@ -96,6 +104,19 @@ class GradTrail:
         if found is None:
             return False
         return id(p) in self._alone or id(p) in self._not_added
+
+    def emptied(self) -> list[nn.Parameter]:
+        """At the start of a captured backward (after :meth:`restarted`): the parameters whose
+        ``.grad`` the last captured backward that computed them added to and left ``None``
+        (an optimizer step fused into it, ``zero_grad`` in a post-accumulate-grad hook), and
+        that is ``None`` still. That was a reset, which their ``.grad`` does not show at this
+        start: this backward starts their ``grad1`` afresh where it computes their gradient (a
+        new forward's, :meth:`left_alone`), and leaves them none where it does not, as after a
+        ``zero_grad``."""
+        left = self._left
+        return [
+            left[pid][0] for pid in self._emptied if pid in left and grad_of(left[pid][0]) is None
+        ]
 
     def params(self) -> list[nn.Parameter]:
         return [p for p, _, _ in self._left.values()]
@@ -134,6 +155,7 @@ class GradTrail:
         reset = self._reset(seen=True)
         for p in reset:
             del self._left[id(p)]
+            self._emptied.discard(id(p))
             self._reset_seen.pop(id(p), None)
         self._alone = {
             id(p) for p, ref, _ in self._left.values() if ref is None and grad_of(p) is None
@@ -160,11 +182,13 @@ class GradTrail:
     def forget(self, pids: Iterable[int]) -> None:
         for pid in pids:
             self._left.pop(pid, None)
+            self._emptied.discard(pid)
             self._reset_seen.pop(pid, None)
             self._not_added.discard(pid)
 
     def clear(self) -> None:
         self._left.clear()
+        self._emptied.clear()
         self._reset_seen.clear()
         self._not_added.clear()
         self._alone.clear()

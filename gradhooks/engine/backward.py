@@ -638,6 +638,7 @@ class BackwardWriter:
         if not len(self.state.trail):
             return
         reset = self.state.trail.restarted()
+        bw.emptied = {id(p): p for p in self.state.trail.emptied()}
         for p in reset:
             self.state.aside.pop(id(p), None)
             if self.state.written.pop(id(p), None) is not None:
@@ -741,6 +742,8 @@ class BackwardWriter:
                 bw.hidden.pop(pid, None)
                 if pid not in self.state.written and "grad1" in p.__dict__:
                     del p.grad1
+        if captured and bw.emptied:
+            self._drop_emptied(bw)
         self._put_back(bw)
         if not bw.capturing:
             return  # (its additions to .grad continue the accumulation, see GradTrail)
@@ -754,6 +757,23 @@ class BackwardWriter:
             for p in trail.params():
                 params.setdefault(id(p), p)
         trail.record(params, bw.computed, bw.accumulated)
+
+    def _drop_emptied(self, bw: Backward) -> None:
+        """At the end of a captured backward: the ``grad1`` of a parameter whose ``.grad`` an
+        earlier backward's fused optimizer step left ``None`` (``bw.emptied``), and that this
+        backward did not compute, goes as ``.grad`` went, as after a ``zero_grad``."""
+        state, dropped = self.state, []
+        for pid, p in bw.emptied.items():
+            if pid in bw.computed or grad_of(p) is not None:
+                continue
+            state.written.pop(pid, None)
+            state.depth.pop(pid, None)
+            state.aside.pop(pid, None)
+            if "grad1" in p.__dict__:
+                del p.grad1
+            dropped.append(p)
+        if dropped and state.collector is not None:
+            state.collector.restart(dropped)
 
     def set_aside(self, p: nn.Parameter, bw: Backward) -> None:
         """Before this backward first writes ``p.grad1``: a ``torch.autograd.grad`` that
