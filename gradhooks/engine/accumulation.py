@@ -24,7 +24,9 @@ before adding (``BackwardWriter.set_aside``), so that ``grad1`` is ``.grad``'s r
 The values are read (one transfer per device, at the start of each captured backward) for
 every ``.grad`` that is not ``None``: a ``.grad`` left as it was and one zeroed through
 ``.data`` (``p.grad.data.zero_()``, which torch does not count as a change) look alike
-otherwise. After the default ``zero_grad()`` (``set_to_none=True``) nothing is read.
+otherwise. A ``.grad`` the last backward left all zeros (examples whose shares cancel
+exactly: a WGAN critic's last bias) looks like one zeroed so: its ``grad1``, whose rows add up
+to zero, tells it apart (:func:`zeroed_since`). After the default ``zero_grad()`` (``set_to_none=True``) nothing is read.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class GradTrail:
         ``check(loss_fn, ...)`` and ``loop_grad`` do), also where it was changed in place
         since (``clip_grad_norm_``, a paused backward adding to it): autograd never gives
         back a tensor it dropped, so the reset was undone."""
-        reset, read = [], []
+        reset, read, same = [], [], set()
         for p, ref, version in self._left.values():
             g = grad_of(p)
             if g is None:
@@ -143,9 +145,11 @@ class GradTrail:
                 reset.append(p)
             else:
                 read.append(p)
+                if not changed and not put_back:
+                    same.add(id(p))
         if read:
             zero = all_zero([p.grad for p in read])
-            reset += [p for p, z in zip(read, zero) if z]
+            reset += zeroed_since([p for p, z in zip(read, zero) if z], same)
         return reset
 
     def restarted(self) -> list[nn.Parameter]:
@@ -192,6 +196,40 @@ class GradTrail:
         self._reset_seen.clear()
         self._not_added.clear()
         self._alone.clear()
+
+
+def zeroed_since(zeros: list[nn.Parameter], same: set[int]) -> list[nn.Parameter]:
+    """Of the parameters whose ``.grad`` is all zeros now (``zeros``): those reset since the
+    last captured backward. One whose ``.grad`` is the tensor, at the version, that backward
+    left (``same``, by id) was zeroed through ``.data`` (``p.grad.data.zero_()``), or was left
+    all zeros by it: a gradient of exactly zero from examples whose shares cancel (a WGAN
+    critic's last bias, the batch's real and fake halves). Their ``grad1`` tells, its rows
+    having added up to what ``.grad`` held: where one's rows do not add up to zero, the loop
+    zeroed them; where every one's do, nothing was reset. Where one has no ``grad1`` to tell
+    (or rows of zeros alone), they count as reset."""
+    unsure = [p for p in zeros if id(p) in same]
+    if not unsure:
+        return zeros
+    for p in unsure:
+        if not _rows_cancel(p):
+            return zeros
+    return [p for p in zeros if id(p) not in same]
+
+
+def _rows_cancel(p: nn.Parameter) -> bool:
+    """Whether ``p.grad1``'s rows, not all zero, add up to zero (to their rounding)."""
+    rows = p.__dict__.get("grad1")
+    if (
+        not isinstance(rows, Tensor)
+        or rows.layout != torch.strided
+        or not rows.is_floating_point()
+        or rows.dim() != p.dim() + 1
+    ):
+        return False
+    rows = rows.detach()
+    spread = rows.abs().sum(0)
+    bound = torch.finfo(rows.dtype).eps ** 0.5 * spread
+    return bool(spread.any() and (rows.sum(0).abs() <= bound).all())
 
 
 def grad_of(t: Tensor) -> Tensor | None:
