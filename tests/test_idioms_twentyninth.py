@@ -12,9 +12,10 @@ a retained graph and two ``torch.autograd.grad`` through one checkpointed forwar
 ``disable_saved_tensors_hooks`` around one; an optimizer step fused into the backward
 (``register_post_accumulate_grad_hook``) that steps on the last of two micro-batches only, that
 steps an embedding tied to the output layer, and that steps only what ``backward(inputs=...)``
-reached; a backward to the input and a few parameters at once (a saliency map beside a partial
-update); ``register_multi_grad_hook(mode="any")`` on the head; a WGAN critic's loss over two
-micro-batches, added up or reset between them by the old ``p.grad.data.zero_()``.
+reached; ``backward(inputs=...)`` after ``zero_grad(set_to_none=False)``, by the loop or by
+the fused step; a backward to the input and a few parameters at once (a saliency map beside a
+partial update); ``register_multi_grad_hook(mode="any")`` on the head; a WGAN critic's loss
+over two micro-batches, added up or reset between them by the old ``p.grad.data.zero_()``.
 
 Every ``grad1`` is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`, or the loop written out where a tensor is given
@@ -22,15 +23,19 @@ by keyword) of the weights the forward used, exactly in float64 or within bfloat
 (``5e-2`` of the largest entry, as ``docs/mixed-precision.md`` states), and its mean with
 ``.grad``; the DP step's ``.grad`` and norms with the clipped sum of those rows.
 
-Two silently wrong numbers were found and fixed. With the step fused into the backward, a
-parameter the next backward did not reach kept the older step's ``grad1`` (other examples,
-other weights) while its ``.grad`` was ``None``; it now has none, as after a ``zero_grad``. A
+Two silently wrong numbers, and a missing ``grad1``, were found and fixed. With the step
+fused into the backward, a parameter the next backward did not reach kept the older step's
+``grad1`` (other examples, other weights) while its ``.grad`` was ``None``; it now has none,
+as after a ``zero_grad``. A
 WGAN critic trained over two micro-batches, whose output bias gets a gradient of exactly zero
 from each (the batch's real and fake halves cancel), had the untouched ``.grad`` taken at the
 second backward for one zeroed through ``.data``, and that bias's ``grad1`` lost the first
-micro-batch's rows; its rows, which add up to zero, now tell the two apart. ``torch.cond`` in a
-hooked forward, which torch runs by compiling its branches whole, through gradhooks' batch
-tracker, stops with torch's compiler error: a strict xfail saying why."""
+micro-batch's rows; its rows, which add up to zero, now tell the two apart. And after
+``zero_grad(set_to_none=False)``, a parameter whose layer ``backward(inputs=...)`` reached
+without it lost its ``grad1`` where the manual promises zeros, as its ``.grad`` is; it now
+has zeros. ``torch.cond`` in a hooked forward, which torch runs by compiling its branches
+whole, through gradhooks' batch tracker, stops with torch's compiler error: a strict xfail
+saying why."""
 
 from __future__ import annotations
 
@@ -442,6 +447,53 @@ def test_a_step_fused_into_the_backward_of_the_parameters_it_reaches():
 
 
 # -- what a backward reaches ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["zero_grad", "fused step"])
+def test_backward_given_inputs_after_zeroing_gradients_without_setting_them_to_none(fused):
+    """``zero_grad(set_to_none=False)`` (by the loop before each step, or by a step fused into
+    the backward, after its own) and ``backward(inputs=...)`` of every parameter, then of the
+    hidden weights, then of the head's weight, in turn: a parameter the backward does not
+    compute keeps ``.grad`` of zeros, and has ``grad1`` of zeros, one row per example of this
+    step, as after a ``zero_grad(set_to_none=False)`` where the backward does not reach its
+    layer (found and fixed: where it reached the layer, ``backward(inputs=...)`` of the
+    layer's other parameter, its ``grad1`` was deleted). Those it computes get each example's
+    own gradient. The batch size changes from step to step."""
+    model = Net()
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad(set_to_none=False)
+
+    handles = (
+        [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()] if fused else []
+    )
+    turns = [list(model.parameters()), [model.l1.weight, model.l2.weight], [model.head.weight]]
+    try:
+        with gradhooks.add_hooks(model):
+            for step in range(5):
+                n = 4 + step % 2
+                x, y = batch(step, n=n)
+                want = loop(model, x, y)
+                if not fused:
+                    for opt in opts.values():
+                        opt.zero_grad(set_to_none=False)
+                reached = turns[step % 3]
+                ce(model(x), y).backward(inputs=reached)
+                for name, p in model.named_parameters():
+                    if any(p is q for q in reached):
+                        assert_close(p.grad1, want[name], f"step {step}: {name}")
+                    else:
+                        assert not p.grad.any(), f"step {step}: {name}'s .grad"
+                        zeros = torch.zeros(n, *p.shape, dtype=D)
+                        assert_close(p.grad1, zeros, f"step {step}: {name} left out")
+                if not fused:
+                    for opt in opts.values():
+                        opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def test_a_backward_to_the_input_and_a_few_parameters_at_once():

@@ -1196,8 +1196,9 @@ class BackwardWriter:
             self.state.grads_unused = False  # (the parameters' gradients are wanted again)
         left_out: set[int] = set()
         if kept and bw.computed and self.state.mode.param_grads:
-            # (backward(inputs=[a layer's weight]): its other parameters get no .grad, so no
-            # grad1 or norms; not where calls run detached by design, the book-keeping step)
+            # (backward(inputs=[a layer's weight]): its other parameters get no gradient, so
+            # no norms, and a grad1 as their .grad, none or zeros; not where calls run
+            # detached by design, the book-keeping step)
             params, sharded = self.state.params, self.state.sharded
             left_out = {
                 q for q in (bw.reached | bw.before.keys()) - bw.computed
@@ -1335,7 +1336,12 @@ class BackwardWriter:
                 continue
             if before is None:
                 del self.state.written[pid]
-                if hasattr(p, "grad1"):
+                if only is not None and grad_of(p) is not None:
+                    # (left out of a backward that reached its call: its grad1 goes as its
+                    # .grad went since the reset, zeros after zero_grad(set_to_none=False),
+                    # at the backward's end: _settle)
+                    self.state.stale[pid] = p
+                elif hasattr(p, "grad1"):
                     del p.grad1
             else:
                 p.grad1 = before
