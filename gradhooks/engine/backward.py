@@ -764,7 +764,7 @@ class BackwardWriter:
         backward did not compute, goes as ``.grad`` went, as after a ``zero_grad``."""
         state, dropped = self.state, []
         for pid, p in bw.emptied.items():
-            if pid in bw.computed or grad_of(p) is not None:
+            if pid in bw.computed or pid in state.sharded or grad_of(p) is not None:
                 continue
             state.written.pop(pid, None)
             state.depth.pop(pid, None)
