@@ -13,9 +13,11 @@ a retained graph and two ``torch.autograd.grad`` through one checkpointed forwar
 (``register_post_accumulate_grad_hook``) that steps on the last of two micro-batches only, that
 steps an embedding tied to the output layer, and that steps only what ``backward(inputs=...)``
 reached; ``backward(inputs=...)`` after ``zero_grad(set_to_none=False)``, by the loop or by
-the fused step; a backward to the input and a few parameters at once (a saliency map beside a
-partial update); ``register_multi_grad_hook(mode="any")`` on the head; a WGAN critic's loss
-over two micro-batches, added up or reset between them by the old ``p.grad.data.zero_()``.
+the fused step; a hook on a weight that clips its gradient's norm, under a fused step,
+``backward(inputs=...)`` and a checkpoint without early stopping; a backward to the input and
+a few parameters at once (a saliency map beside a partial update);
+``register_multi_grad_hook(mode="any")`` on the head; a WGAN critic's loss over two
+micro-batches, added up or reset between them by the old ``p.grad.data.zero_()``.
 
 Every ``grad1`` is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`, or the loop written out where a tensor is given
@@ -441,6 +443,58 @@ def test_a_step_fused_into_the_backward_of_the_parameters_it_reaches():
                         assert_close(p.grad1, want[n], f"step {step}: {n}")
                     else:
                         assert p.grad is None and "grad1" not in p.__dict__, f"step {step}: {n}"
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("how", ["fused step", "backward(inputs=...)", "no early stop"])
+def test_a_norm_clipping_hook_on_a_weight(how):
+    """``l3.weight.register_hook(g * min(1, c / |g|))`` (a per-parameter clip of the batch's
+    gradient, registered before ``add_hooks``) in three loops: SGD fused into the backward
+    of every parameter; ``backward(inputs=...)`` naming the clipped weight with
+    another parameter; the block holding it checkpointed without early stopping. ``grad1`` of
+    the clipped weight is each example's own gradient times the clip's factor (that of the
+    batch's mean gradient), as the manual states; every other ``grad1`` is each example's own
+    gradient, and each reduces to the ``.grad`` stepped on."""
+    bound = 0.05
+    model = Deep()
+    model.l3.weight.register_hook(lambda g: g * torch.clamp(bound / g.norm(), max=1.0))
+    stepped: dict[int, torch.Tensor] = {}
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def fused(p):
+        stepped[id(p)] = p.grad.clone()
+        opts[p].step()
+        opts[p].zero_grad()
+
+    handles = (
+        [p.register_post_accumulate_grad_hook(fused) for p in model.parameters()]
+        if how == "fused step"
+        else []
+    )
+    turns = [[model.l3.weight, model.head.weight], [model.l3.weight, model.l1.bias]]
+    try:
+        with set_checkpoint_early_stop(how != "no early stop"), gradhooks.add_hooks(model):
+            for step in range(3):
+                x, y = batch(step)
+                want = loop(model, x, y)
+                factor = min(1.0, bound / want["l3.weight"].mean(0).norm().item())
+                want["l3.weight"] = want["l3.weight"] * factor
+                for opt in opts.values():
+                    opt.zero_grad()
+                reached = turns[step % 2] if how == "backward(inputs=...)" else None
+                ce(model(x), y).backward(inputs=reached)
+                for n, p in model.named_parameters():
+                    if reached is not None and not any(p is q for q in reached):
+                        assert p.grad is None and "grad1" not in p.__dict__, f"step {step}: {n}"
+                        continue
+                    assert_close(p.grad1, want[n], f"step {step}: {n}")
+                    grad = stepped[id(p)] if how == "fused step" else p.grad
+                    assert_close(p.grad1.mean(0), grad, f"step {step}: {n} vs .grad")
+                if how != "fused step":
+                    for opt in opts.values():
+                        opt.step()
     finally:
         for handle in handles:
             handle.remove()
