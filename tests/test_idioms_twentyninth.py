@@ -47,7 +47,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_idioms_eighteenth import clipped, norms_of
-from test_idioms_twentyeighth import BF16, Net, assert_step, batch, ce, loop
+from test_idioms_twentyeighth import BF16, Net, assert_step, batch, ce, loop, near
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
@@ -324,7 +324,6 @@ def test_a_step_fused_into_the_backward_of_the_last_micro_batch_only(dtype):
             opts[p].zero_grad()
 
     handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()]
-    tol = BF16 if bf16 else 0.0
     try:
         with gradhooks.add_hooks(model):
             for step in range(3):
@@ -340,15 +339,11 @@ def test_a_step_fused_into_the_backward_of_the_last_micro_batch_only(dtype):
                 for n, p in model.named_parameters():
                     assert p.grad is None, f"step {step}: {n} stepped and zeroed"
                     if bf16:
-                        assert (p.grad1.double() - want[n]).abs().max() <= tol * want[
-                            n
-                        ].abs().max(), f"step {step}: {n}"
+                        near(p.grad1, want[n], BF16, f"step {step}: {n}")
+                        near(p.grad1.mean(0), stepped[id(p)], BF16, f"step {step}: {n} stepped")
                     else:
                         assert_close(p.grad1, want[n], f"step {step}: {n}")
-                    reduced = p.grad1.mean(0) if not bf16 else p.grad1.double().mean(0)
-                    got = stepped[id(p)].double() if bf16 else stepped[id(p)]
-                    scale = got.abs().max().item() if bf16 else 0.0
-                    assert (reduced - got).abs().max() <= max(tol * scale, 1e-12), n
+                        assert_close(p.grad1.mean(0), stepped[id(p)], f"step {step}: {n} stepped")
     finally:
         for handle in handles:
             handle.remove()
