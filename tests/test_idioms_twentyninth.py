@@ -5,7 +5,8 @@ Each test runs several steps of an ordinary loop (``zero_grad``, a forward, a ba
 optimizer's step) with one habit: non-reentrant activation checkpointing with early stopping
 switched off (``set_checkpoint_early_stop(False)``: every layer of the block run again at the
 backward), in float64, through ``torch.autograd.grad`` and under bfloat16 autocast; a checkpoint
-nested in another, into the DP step; ``checkpoint(..., debug=True, determinism_check="none")``;
+nested in another, into the DP step; a layer called twice in a checkpointed block of two
+outputs; ``checkpoint(..., debug=True, determinism_check="none")``;
 a checkpointed block given a tensor by keyword; ``backward(inputs=...)``, two backwards through
 a retained graph and two ``torch.autograd.grad`` through one checkpointed forward;
 ``save_on_cpu`` around a forward with a checkpoint inside it, and
@@ -153,6 +154,37 @@ def test_a_checkpoint_nested_in_another_into_the_dp_step(early_stop):
             means = clipped(want, 0.5)
             for n, p in model.named_parameters():
                 assert_close(p.grad, means[n], f"step {step}: the DP step's {n}")
+            opt.step()
+
+
+class Twice(Net):
+    """``Net`` whose middle layer runs twice in one checkpointed block that returns both its
+    outputs (the first is also a skip connection to the head)."""
+
+    def forward(self, x):
+        def block(h):
+            a = torch.tanh(self.l2(h))
+            return a, torch.tanh(self.l2(a))
+
+        a, b = checkpoint(block, torch.tanh(self.l1(x)), use_reentrant=False)
+        return self.head(b + 0.5 * a)
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early stop", "no early stop"])
+def test_a_layer_called_twice_in_a_checkpointed_block_of_two_outputs(early_stop):
+    """A layer called twice inside a non-reentrant checkpoint whose block returns both calls'
+    outputs: at the backward the block runs again (to the first call only, or whole without
+    early stopping); ``grad1`` of the shared layer holds each example's gradient through both
+    calls, at every step."""
+    model = Twice()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with set_checkpoint_early_stop(early_stop), gradhooks.add_hooks(model):
+        for step in range(3):
+            x, y = batch(step)
+            want = loop(model, x, y)
+            opt.zero_grad()
+            ce(model(x), y).backward()
+            assert_step(model, want, f"step {step}")
             opt.step()
 
 
