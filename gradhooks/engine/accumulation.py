@@ -24,7 +24,9 @@ before adding (``BackwardWriter.set_aside``), so that ``grad1`` is ``.grad``'s r
 The values are read (one transfer per device, at the start of each captured backward) for
 every ``.grad`` that is not ``None``: a ``.grad`` left as it was and one zeroed through
 ``.data`` (``p.grad.data.zero_()``, which torch does not count as a change) look alike
-otherwise. After the default ``zero_grad()`` (``set_to_none=True``) nothing is read.
+otherwise. A ``.grad`` the last backward left all zeros (examples whose shares cancel
+exactly: a WGAN critic's last bias) looks like one zeroed so: its ``grad1``, whose rows add up
+to zero, tells it apart (:func:`zeroed_since`). After the default ``zero_grad()`` (``set_to_none=True``) nothing is read.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class GradTrail:
         self._not_added: set[int] = set()
         # left None by the last captured backward and still None at this one's start, by id
         self._alone: set[int] = set()
+        # added into .grad by the last captured backward that computed them, yet None at its
+        # end, and since (an optimizer step fused into the backward: the step, then
+        # zero_grad, in a post-accumulate-grad hook), by id
+        self._emptied: set[int] = set()
 
     def __contains__(self, pid: int) -> bool:
         return pid in self._left
@@ -70,7 +76,7 @@ class GradTrail:
         """At the end of a backward (every gradient accumulated): what ``.grad`` holds now;
         ``params``: the parameters (or ``{id: parameter}``); ``computed``, ``added``: the ids of
         the parameters whose gradient it computed, and of those it added into ``.grad``."""
-        added = set(added)
+        added, computed = set(added), set(computed)
         not_added = self._not_added
         for pid in computed:
             if pid in added:
@@ -78,10 +84,14 @@ class GradTrail:
             else:
                 not_added.add(pid)
         items = params.items() if isinstance(params, dict) else ((id(p), p) for p in params)
-        left, seen = self._left, self._reset_seen
+        left, seen, emptied = self._left, self._reset_seen, self._emptied
         for pid, p in items:
             g = grad_of(p)
             left[pid] = (p, None, -1) if g is None else (p, weakref.ref(g), _torch.version(g))
+            if g is None and pid in added:
+                emptied.add(pid)
+            elif g is not None or pid in computed:
+                emptied.discard(pid)
             if seen:
                 seen.pop(pid, None)
 
@@ -97,6 +107,19 @@ class GradTrail:
             return False
         return id(p) in self._alone or id(p) in self._not_added
 
+    def emptied(self) -> list[nn.Parameter]:
+        """At the start of a captured backward (after :meth:`restarted`): the parameters whose
+        ``.grad`` the last captured backward that computed them added to and left ``None``
+        (an optimizer step fused into it, ``zero_grad`` in a post-accumulate-grad hook), and
+        that is ``None`` still. That was a reset, which their ``.grad`` does not show at this
+        start: this backward starts their ``grad1`` afresh where it computes their gradient (a
+        new forward's, :meth:`left_alone`), and leaves them none where it does not, as after a
+        ``zero_grad``."""
+        left = self._left
+        return [
+            left[pid][0] for pid in self._emptied if pid in left and grad_of(left[pid][0]) is None
+        ]
+
     def params(self) -> list[nn.Parameter]:
         return [p for p, _, _ in self._left.values()]
 
@@ -109,7 +132,7 @@ class GradTrail:
         ``check(loss_fn, ...)`` and ``loop_grad`` do), also where it was changed in place
         since (``clip_grad_norm_``, a paused backward adding to it): autograd never gives
         back a tensor it dropped, so the reset was undone."""
-        reset, read = [], []
+        reset, read, same = [], [], set()
         for p, ref, version in self._left.values():
             g = grad_of(p)
             if g is None:
@@ -122,9 +145,11 @@ class GradTrail:
                 reset.append(p)
             else:
                 read.append(p)
+                if not changed and not put_back:
+                    same.add(id(p))
         if read:
             zero = all_zero([p.grad for p in read])
-            reset += [p for p, z in zip(read, zero) if z]
+            reset += zeroed_since([p for p, z in zip(read, zero) if z], same)
         return reset
 
     def restarted(self) -> list[nn.Parameter]:
@@ -134,6 +159,7 @@ class GradTrail:
         reset = self._reset(seen=True)
         for p in reset:
             del self._left[id(p)]
+            self._emptied.discard(id(p))
             self._reset_seen.pop(id(p), None)
         self._alone = {
             id(p) for p, ref, _ in self._left.values() if ref is None and grad_of(p) is None
@@ -160,14 +186,50 @@ class GradTrail:
     def forget(self, pids: Iterable[int]) -> None:
         for pid in pids:
             self._left.pop(pid, None)
+            self._emptied.discard(pid)
             self._reset_seen.pop(pid, None)
             self._not_added.discard(pid)
 
     def clear(self) -> None:
         self._left.clear()
+        self._emptied.clear()
         self._reset_seen.clear()
         self._not_added.clear()
         self._alone.clear()
+
+
+def zeroed_since(zeros: list[nn.Parameter], same: set[int]) -> list[nn.Parameter]:
+    """Of the parameters whose ``.grad`` is all zeros now (``zeros``): those reset since the
+    last captured backward. One whose ``.grad`` is the tensor, at the version, that backward
+    left (``same``, by id) was zeroed through ``.data`` (``p.grad.data.zero_()``), or was left
+    all zeros by it: a gradient of exactly zero from examples whose shares cancel (a WGAN
+    critic's last bias, the batch's real and fake halves). Their ``grad1`` tells, its rows
+    having added up to what ``.grad`` held: where one's rows do not add up to zero, the loop
+    zeroed them; where every one's do, nothing was reset. Where one has no ``grad1`` to tell
+    (or rows of zeros alone), they count as reset."""
+    unsure = [p for p in zeros if id(p) in same]
+    if not unsure:
+        return zeros
+    for p in unsure:
+        if not _rows_cancel(p):
+            return zeros
+    return [p for p in zeros if id(p) not in same]
+
+
+def _rows_cancel(p: nn.Parameter) -> bool:
+    """Whether ``p.grad1``'s rows, not all zero, add up to zero (to their rounding)."""
+    rows = p.__dict__.get("grad1")
+    if (
+        not isinstance(rows, Tensor)
+        or rows.layout != torch.strided
+        or not rows.is_floating_point()
+        or rows.dim() != p.dim() + 1
+    ):
+        return False
+    rows = rows.detach()
+    spread = rows.abs().sum(0)
+    bound = torch.finfo(rows.dtype).eps ** 0.5 * spread
+    return bool(spread.any() and (rows.sum(0).abs() <= bound).all())
 
 
 def grad_of(t: Tensor) -> Tensor | None:

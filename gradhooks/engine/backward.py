@@ -638,6 +638,7 @@ class BackwardWriter:
         if not len(self.state.trail):
             return
         reset = self.state.trail.restarted()
+        bw.emptied = {id(p): p for p in self.state.trail.emptied()}
         for p in reset:
             self.state.aside.pop(id(p), None)
             if self.state.written.pop(id(p), None) is not None:
@@ -741,6 +742,8 @@ class BackwardWriter:
                 bw.hidden.pop(pid, None)
                 if pid not in self.state.written and "grad1" in p.__dict__:
                     del p.grad1
+        if captured and bw.emptied:
+            self._drop_emptied(bw)
         self._put_back(bw)
         if not bw.capturing:
             return  # (its additions to .grad continue the accumulation, see GradTrail)
@@ -754,6 +757,23 @@ class BackwardWriter:
             for p in trail.params():
                 params.setdefault(id(p), p)
         trail.record(params, bw.computed, bw.accumulated)
+
+    def _drop_emptied(self, bw: Backward) -> None:
+        """At the end of a captured backward: the ``grad1`` of a parameter whose ``.grad`` an
+        earlier backward's fused optimizer step left ``None`` (``bw.emptied``), and that this
+        backward did not compute, goes as ``.grad`` went, as after a ``zero_grad``."""
+        state, dropped = self.state, []
+        for pid, p in bw.emptied.items():
+            if pid in bw.computed or pid in state.sharded or grad_of(p) is not None:
+                continue
+            state.written.pop(pid, None)
+            state.depth.pop(pid, None)
+            state.aside.pop(pid, None)
+            if "grad1" in p.__dict__:
+                del p.grad1
+            dropped.append(p)
+        if dropped and state.collector is not None:
+            state.collector.restart(dropped)
 
     def set_aside(self, p: nn.Parameter, bw: Backward) -> None:
         """Before this backward first writes ``p.grad1``: a ``torch.autograd.grad`` that
@@ -1176,8 +1196,9 @@ class BackwardWriter:
             self.state.grads_unused = False  # (the parameters' gradients are wanted again)
         left_out: set[int] = set()
         if kept and bw.computed and self.state.mode.param_grads:
-            # (backward(inputs=[a layer's weight]): its other parameters get no .grad, so no
-            # grad1 or norms; not where calls run detached by design, the book-keeping step)
+            # (backward(inputs=[a layer's weight]): its other parameters get no gradient, so
+            # no norms, and a grad1 as their .grad, none or zeros; not where calls run
+            # detached by design, the book-keeping step)
             params, sharded = self.state.params, self.state.sharded
             left_out = {
                 q for q in (bw.reached | bw.before.keys()) - bw.computed
@@ -1315,7 +1336,12 @@ class BackwardWriter:
                 continue
             if before is None:
                 del self.state.written[pid]
-                if hasattr(p, "grad1"):
+                if only is not None and grad_of(p) is not None:
+                    # (left out of a backward that reached its call: its grad1 goes as its
+                    # .grad went since the reset, zeros after zero_grad(set_to_none=False),
+                    # at the backward's end: _settle)
+                    self.state.stale[pid] = p
+                elif hasattr(p, "grad1"):
                     del p.grad1
             else:
                 p.grad1 = before

@@ -154,6 +154,10 @@ class Backward:
     # (by id) the parameter and the grad1 it held from before a reset, off the parameter
     # while this backward runs, since it is not this backward's (BackwardWriter._restart)
     hidden: dict[int, tuple[nn.Parameter, Tensor]] = field(default_factory=dict)
+    # (by id) parameters whose .grad an earlier backward added to and left None (an optimizer
+    # step fused into it), None still at this one's start: their grad1 goes at its end unless
+    # it computes their gradient (GradTrail.emptied)
+    emptied: dict[int, nn.Parameter] = field(default_factory=dict)
     # ids of parameters its calls reached that a planning since their forward dropped and
     # that are frozen now (Hooks._hook_dropped): their grad1 is left as autograd leaves .grad
     frozen: set[int] = field(default_factory=set)
