@@ -193,6 +193,11 @@ class EngineAPI:
         """The sets of calls awaiting their check were checked (by the caller)."""
         self._hooks._state.unverified.clear()
 
+    def mark_refused(self) -> None:
+        """The caller's check of those calls refused the step: every set of calls is checked
+        again at its next forward (:meth:`CaptureState.recheck`)."""
+        self._hooks._state.recheck()
+
     def user_backward_hooks(self) -> bool:
         """Whether the model holds backward hooks of the user's, which a backward of the
         check's own would run."""

@@ -1,10 +1,11 @@
 """The checks of a backward against autograd (``add_hooks(verify=True)``).
 
-At the first backward of each new set of calls (and again at the 2nd, 4th, 8th...), autograd
-computes every parameter's gradient from the model's output-gradients with each example's rows
-weighted differently, in a second backward through the same graph (the probe); ``grad1`` weighted
-alike (or, without ``grad1``, the pieces) must match, or the backward is undone and refused,
-naming the parameters. :class:`Verifier` is the part of a :class:`gradhooks.Hooks` handle that does it.
+At the first backward of each new set of calls (and again at the 2nd, 4th, 8th..., and at
+every backward after one it refused), autograd computes every parameter's gradient from the
+model's output-gradients with each example's rows weighted differently, in a second backward
+through the same graph (the probe); ``grad1`` weighted alike (or, without ``grad1``, the
+pieces) must match, or the backward is undone and refused, naming the parameters.
+:class:`Verifier` is the part of a :class:`gradhooks.Hooks` handle that does it.
 On the CPU, where reading a value back costs nothing, each backward in between compares some
 entries of one parameter's ``grad1`` with autograd's (:meth:`Verifier.spot_check`), a parameter
 after another, so that a loss term on the parameters that starts later is refused where it starts.
@@ -347,8 +348,8 @@ _EXAMPLES_NOT_APART = (
     "in its gradient. Or gradhooks read the examples from the wrong "
     "place{lost}: say "
     "where the model's batch is with add_hooks(..., batch_dim=k), or register a rule for the "
-    "layer. This is checked on the first backward of each new set of layer calls, and again at the "
-    "2nd, 4th, 8th... backward."
+    "layer. This is checked on the first backward of each new set of layer calls, again at the "
+    "2nd, 4th, 8th... backward, and at every backward after one it refused."
 )
 
 
@@ -854,7 +855,10 @@ class Verifier:
                 wrong.append(f"'{name}' ({diff})")
         if wrong:
             self._refuse_sums(
-                bw, wrong, "This is checked on the first backward of each new set of layer calls."
+                bw,
+                wrong,
+                "This is checked on the first backward of each new set of layer calls, and at "
+                "every backward after one it refused.",
             )
         probe = bw.probe
         if probe is not None and probe.frame in bw.frames:
@@ -865,6 +869,7 @@ class Verifier:
         """Undo backward ``bw``'s ``grad1`` and refuse it: ``grad1`` of the parameters ``wrong``
         does not add up to autograd's gradient."""
         self.backwards.refuse(bw)
+        self.state.recheck()
         raise CheckFailedError(
             f"gradhooks: grad1 does not add up ({self.state.loss_reduction} over the batch) to the "
             f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
@@ -1031,6 +1036,7 @@ class Verifier:
         if not wrong:
             return
         self.backwards.refuse(bw)
+        self.state.recheck()
         raise CheckFailedError(
             "gradhooks: grad1 is not the examples' own gradients: weighted over the examples, "
             "it is not the gradient autograd gives from the model's output-gradients with each "
@@ -1100,6 +1106,7 @@ class Verifier:
         if not wrong:
             return
         self.backwards.refuse(bw)
+        self.state.recheck()
         if kept is not None:  # (the results of the backward before, published again)
             collector.restore(kept)
         else:

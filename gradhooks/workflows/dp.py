@@ -805,6 +805,7 @@ def _check_step(
             wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
     if not wrong:
         return
+    engine.mark_refused()
     what = (
         "the per-example gradients from the hooks, weighted over the examples, are not "
         "the gradient of the examples' own losses weighted alike"
@@ -819,7 +820,8 @@ def _check_step(
         "forward's examples (sorted, flipped or shuffled after the forward: entry i must be the "
         "loss of example i), or the model mixes the examples where gradhooks cannot see it. "
         "Clipping would not bound each example's influence, so no gradient was "
-        "written. This is checked on the first step of each new set of layer calls."
+        "written. This is checked on the first step of each new set of layer calls, and at "
+        "every step after one it refused."
     )
 
 
