@@ -4,27 +4,27 @@ part of the model, and the batch taken along the wrong dimension.
 A loop that catches a refused backward and goes on to the next batch, the model smoothing its
 hidden features along the batch (a ``[features, time]`` filter given ``[batch, features]``:
 found and fixed: the run-time check, which refused the 1st, 2nd and 4th backward, let the 3rd,
-5th, 6th and 7th through with each example's ``grad1``, or its norm, mixed with its
-neighbours', in silence; every backward after a refusal is now checked until one passes); a DP
-step of losses that couple the batch (divided by their own sum), caught and stepped past (found
-and fixed the same way: the 3rd, 5th, 6th and 7th steps were clipped and noised as if each loss
-were its example's own); losses divided by their detached sum (each example's own, scaled alike); the
+5th, 6th and 7th through with each example's ``grad1``, or its norm, mixed with its neighbours',
+in silence; every backward after a refusal is now checked until one passes); a DP step of losses
+that couple the batch (divided by their own sum), caught and stepped past (found and fixed the
+same way: the 3rd, 5th, 6th and 7th steps were clipped and noised as if each loss were its
+example's own); losses divided by their detached sum (each example's own, scaled alike); the
 hooks added to the body of a model whose head, or a learned temperature, the losses also go
 through, stepped by ``dp_sgd_step`` (found: the head got no gradient and the step said nothing;
 it now warns, naming the parameters and the remedy) or wrapped by a ``DPOptimizer`` over the
-whole model (refused; its message, which blamed a replaced parameter or another model's
-optimizer, now names the hooks on a part of the model); a softmax, a normalization, a running
-sum or a standardization taken along the batch instead of the features or time (``nn.Softmax()``
-without ``dim`` on a 3-D tensor), and a ``log_softmax`` over the batch as the model's last
-operation; per-token losses averaged over the batch instead of the sequence for the DP step;
-``batch_dim=1`` given to a batch-first model that pools over time; ``grad1``, the norms and
-``check`` read after ``zero_grad`` and before the next backward; and one backward of two hooked
-models' losses of different reductions. Each gives the documented meaning, compared in float64
-with each example's own gradient by the per-example loop (:func:`gradhooks.oracle.loop_grad`),
-or stops with the typed error (or warning) of its kind, whose message names the module or the
-parameter, the shapes and the remedy, leaving the parameters, ``.grad``, ``grad1`` and the
-hooks as they were (``tests/test_misuse.py`` to ``tests/test_misuse_sixteenth.py`` hold the
-earlier sets).
+whole model or clipped by that optimizer's ``param_groups`` (refused; the messages, which named
+a replaced parameter, another model's optimizer or the groups alone, now name the hooks on a
+part of the model); a softmax, a normalization, a running sum or a standardization taken along
+the batch instead of the features or time (``nn.Softmax()`` without ``dim`` on a 3-D tensor),
+and a ``log_softmax`` over the batch as the model's last operation; per-token losses averaged
+over the batch instead of the sequence for the DP step; ``batch_dim=1`` given to a batch-first
+model that pools over time; ``grad1``, the norms and ``check`` read after ``zero_grad`` and
+before the next backward; and one backward of two hooked models' losses of different reductions.
+Each gives the documented meaning, compared in float64 with each example's own gradient by the
+per-example loop (:func:`gradhooks.oracle.loop_grad`), or stops with the typed error (or
+warning) of its kind, whose message names the module or the parameter, the shapes and the
+remedy, leaving the parameters, ``.grad``, ``grad1`` and the hooks as they were
+(``tests/test_misuse.py`` to ``tests/test_misuse_sixteenth.py`` hold the earlier sets).
 """
 
 from __future__ import annotations
@@ -303,6 +303,40 @@ def test_dp_optimizer_over_the_whole_model_with_the_hooks_on_a_part_says_so():
     mean = clipped_mean(want, MAX_NORM)
     for n, p in model.named_parameters():
         close(p.detach(), stepped[n] - 0.1 * mean[n], f"the step of {n}")
+
+
+def test_dp_step_grouped_by_param_groups_over_the_whole_model_with_the_hooks_on_a_part():
+    """Per-layer clipping by an optimizer's ``param_groups`` over the whole model, the hooks on
+    ``model.l1`` alone: refused before anything is computed, the message naming the group, the
+    head's shape and, now, the hooks on a part of the model and ``add_hooks(model)``; nothing
+    changed. Hooked whole, each example's gradient is clipped group by group as the loop's."""
+    model = Smoothed()
+    opt = torch.optim.SGD(
+        [{"params": model.l1.parameters()}, {"params": model.head.parameters()}], lr=0.1
+    )
+    x, y = _batch(0)
+    with gradhooks.add_hooks(model.l1, quantities=("norms",)) as h:
+        before = model_state(model)
+        raised(
+            gradhooks.ConfigurationError,
+            ["clipping group 1", "shape (3, 6)", "hooks are on a part of it", "add_hooks(model)"],
+            lambda: gradhooks.dp_sgd_step(
+                h, F.cross_entropy(model(x), y, reduction="none"), max_norm=[0.3, 0.4],
+                noise_multiplier=0.0, clipping_groups=opt.param_groups,
+            ),
+        )  # fmt: skip
+        assert_untouched(model, before)
+    want = _loop(model, x, y)
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        gradhooks.dp_sgd_step(
+            h, F.cross_entropy(model(x), y, reduction="none"), max_norm=[0.3, 0.4],
+            noise_multiplier=0.0, clipping_groups=opt.param_groups,
+        )  # fmt: skip
+    for names, bound in ((("l1.weight", "l1.bias"), 0.3), (("head.weight", "head.bias"), 0.4)):
+        group = {n: want[n] for n in names}
+        mean = clipped_mean(group, bound)
+        for n in names:
+            close(model.get_parameter(n).grad, mean[n], f"group of {n}")
 
 
 # -- the batch taken along the wrong dimension ------------------------------------------------
