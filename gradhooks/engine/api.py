@@ -25,7 +25,7 @@ from ..errors import ConfigurationError, StateError
 from ..quantities import Collector
 from ..tracking import Tracker
 from .handle import Hooks
-from .records import BackwardMode, drop_box
+from .records import BackwardMode
 
 __all__ = ["EngineAPI", "engine_of"]
 
@@ -213,9 +213,7 @@ class EngineAPI:
         what the caller's check weighs the examples by (:func:`pieces.example_weights`), for
         :meth:`shares_size` to tell its room after the next backward."""
         hooks = self._hooks
-        if hooks._verifier.probe_box is not None:
-            drop_box(hooks._verifier.probe_box)
-            hooks._verifier.probe_box = None
+        hooks._verifier.drop_boxes()
         hooks._state.check_weights = weights
         hooks._state.check_shares = {}
 

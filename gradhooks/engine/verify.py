@@ -307,12 +307,15 @@ def retained_grads(refs: list[weakref.ref]) -> Iterator[None]:
 
 def _probe_from(verifier: weakref.ref, token: object, grads: tuple) -> None:
     """The probe's hook on the outputs of the forward whose box holds ``token``: where that box
-    is still the verifier's (a forward since, or the handle's removal, dropped it),
-    :meth:`Verifier._probe` with it."""
+    is still the verifier's (the last or the one before; two forwards since, or the handle's
+    removal, dropped it), :meth:`Verifier._probe` with it."""
     v = verifier()
-    box = None if v is None else v.probe_box
-    if box is not None and box.get("token") is token:
-        v._probe(box, grads)
+    if v is None:
+        return
+    for box in (v.probe_box, v.earlier_box):
+        if box is not None and box.get("token") is token:
+            v._probe(box, grads)
+            return
 
 
 def _dependent(edges: list) -> bool:
@@ -490,6 +493,10 @@ class Verifier:
     def __init__(self, state: CaptureState) -> None:
         self.state = state
         self.probe_box: dict | None = None  # the outputs of the forward the probe starts from
+        # the box of the forward armed before probe_box's, not backpropagated yet: a forward
+        # run in between and never backpropagated (a logging forward with grad on) does not
+        # take the check from it
+        self.earlier_box: dict | None = None
         # the largest entry of the model's gradients at the last full check (verify_backward):
         # the scale the spot check compares a gradient that is zero by symmetry against
         self.overall = 0.0
@@ -500,8 +507,10 @@ class Verifier:
         (:meth:`_probe`): what mixes the examples where neither the tracker nor the sum over
         the batch can see it (a custom ``autograd.Function`` or kernel that computes across the
         batch) shows there."""
-        if self.probe_box is not None:  # (an earlier forward never backpropagated)
-            drop_box(self.probe_box)
+        if self.probe_box is not None:  # (an earlier forward not backpropagated yet: kept)
+            if self.earlier_box is not None:
+                drop_box(self.earlier_box)
+            self.earlier_box = self.probe_box or None  # (a box that ran is empty)
             self.probe_box = None
         if (
             not (self.state.verify and self.state.checks_examples)
@@ -563,6 +572,14 @@ class Verifier:
             box["handle"] = _torch.all_grads_hook(outs, probe)
         # (a hook the user puts on an output after the forward: no probe then, see _probe)
         box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
+
+    def drop_boxes(self) -> None:
+        """Let go of the forwards' graphs the probe was armed on (the handle removed, or a
+        check of the caller's own in its place)."""
+        for box in (self.probe_box, self.earlier_box):
+            if box is not None:
+                drop_box(box)
+        self.probe_box = self.earlier_box = None
 
     def keep(self, bw: Backward, pieces: dict, live: dict, scale: float) -> None:
         """A call's pieces, on a backward that verifies the norms (without ``grad1``), for
@@ -659,6 +676,9 @@ class Verifier:
         # stays the handle's: a backward that fails never runs the callback, and the next
         # forward or remove() lets go of it instead)
         _torch.queue_backward_callback(lambda: drop_box(box))
+        if box is self.probe_box and self.earlier_box is not None:
+            drop_box(self.earlier_box)  # (the check has its forward: the one before is let go)
+            self.earlier_box = None
         if found is not None:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
             plain_of = {pid: g for pid, g in zip(pids, plain) if g is not None}
