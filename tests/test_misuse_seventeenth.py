@@ -5,7 +5,10 @@ A loop that catches a refused backward and goes on to the next batch, the model 
 hidden features along the batch (a ``[features, time]`` filter given ``[batch, features]``:
 found and fixed: the run-time check, which refused the 1st, 2nd and 4th backward, let the 3rd,
 5th, 6th and 7th through with each example's ``grad1``, or its norm, mixed with its neighbours',
-in silence; every backward after a refusal is now checked until one passes); a DP step of losses
+in silence; every backward after a refusal is now checked until one passes); the same model's
+training forward beside a forward run with grad on and never backpropagated (a batch's outputs
+logged without ``torch.no_grad()``; found and fixed: the check waited for that forward's
+backward, which never came, so that every backward went through, mixed); a DP step of losses
 that couple the batch (divided by their own sum), caught and stepped past (found and fixed the
 same way: the 3rd, 5th, 6th and 7th steps were clipped and noised as if each loss were its
 example's own); losses divided by their detached sum (each example's own, scaled alike); the
@@ -137,6 +140,50 @@ def test_a_backward_refused_by_the_check_and_caught_is_refused_at_every_next_ste
             _assert_loop(model, want, "the filter taken out")
         else:
             close(h.norms(), flat_norms(want), "the filter taken out: the norms")
+
+
+@pytest.mark.parametrize("quantity", ["grad1", "norms"])
+@pytest.mark.parametrize("order", ["logged after", "logged before"])
+def test_a_logging_forward_with_grad_on_does_not_take_the_check_from_the_training_one(
+    order, quantity
+):
+    """A forward never backpropagated, run with grad on (a batch's outputs logged without
+    ``torch.no_grad()``), after the training forward and before its backward, or before it: the
+    check runs on the training forward's backward all the same, and refuses the filter along
+    the batch at every step, the model left as it was (found and fixed: the check waited for
+    the last forward's backward, which never came, so that a logging forward after the
+    training one let every backward through, ``grad1`` or the norms mixed, and one before it
+    took the check of the forwards after a refusal). Without the filter, ``grad1`` is the
+    loop's."""
+    model = Smoothed(SMOOTHERS["avg_pool1d"])
+    logged = torch.randn(7, 4, dtype=D, generator=torch.Generator().manual_seed(9))
+    with gradhooks.add_hooks(model, quantities=(quantity,)):
+        for step in range(4):
+            x, y = _batch(step)
+            model.zero_grad()
+            before = model_state(model)
+            if order == "logged before":
+                model(logged)
+            out = model(x)
+            if order == "logged after":
+                model(logged)
+            raised(
+                gradhooks.CheckFailedError,
+                ["'l1.", "not the examples' own"]
+                if quantity == "grad1"
+                else ["'l1.", "the per-example norms are not"],
+                lambda out=out, y=y: F.cross_entropy(out, y).backward(),
+            )
+            assert_untouched(model, before)
+        model.smooth = None
+        x, y = _batch(4)
+        want = _loop(model, x, y)
+        model.zero_grad()
+        out = model(x)
+        model(logged)
+        F.cross_entropy(out, y).backward()
+        if quantity == "grad1":
+            _assert_loop(model, want, "without the filter")
 
 
 @pytest.mark.parametrize(
