@@ -26,7 +26,7 @@ from ..quantities import Collector
 from ..tracking import Tracker
 from .forward import output_edges
 from .handle import Hooks
-from .records import BackwardMode, drop_box
+from .records import BackwardMode
 
 __all__ = ["EngineAPI", "engine_of"]
 
@@ -202,6 +202,11 @@ class EngineAPI:
         """The sets of calls awaiting their check were checked (by the caller)."""
         self._hooks._state.unverified.clear()
 
+    def mark_refused(self) -> None:
+        """The caller's check of those calls refused the step: every set of calls is checked
+        again at its next forward (:meth:`CaptureState.recheck`)."""
+        self._hooks._state.recheck()
+
     def user_backward_hooks(self) -> bool:
         """Whether the model holds backward hooks of the user's, which a backward of the
         check's own would run."""
@@ -217,9 +222,7 @@ class EngineAPI:
         what the caller's check weighs the examples by (:func:`pieces.example_weights`), for
         :meth:`shares_size` to tell its room after the next backward."""
         hooks = self._hooks
-        if hooks._verifier.probe_box is not None:
-            drop_box(hooks._verifier.probe_box)
-            hooks._verifier.probe_box = None
+        hooks._verifier.drop_boxes()
         hooks._state.check_weights = weights
         hooks._state.check_shares = {}
 

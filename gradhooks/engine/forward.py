@@ -1003,8 +1003,11 @@ class ForwardCapture:
             ):
                 self.state.verified.add(sig)
                 self.state.unverified.add(sig)
-                if tracker is not None and not raised:
-                    self.verifier.arm_probe(frame, tracker, output)
+            # (every forward of calls awaiting their check is armed: the backward that checks
+            # them may be of this one, or of the one before, where a forward in between is never
+            # backpropagated, a batch's outputs logged with grad on)
+            if sig in self.state.unverified and tracker is not None and not raised:
+                self.verifier.arm_probe(frame, tracker, output)
         if self.state.batch_dim == "auto" and frame.sizes:
             sizes = frame.sizes
             for t in leaves:

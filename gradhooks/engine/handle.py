@@ -68,7 +68,7 @@ from .plan import (
     storages_of,
     structure_and_parameters,
 )
-from .records import Hook, drop_box, graph_task, leaves_of
+from .records import Hook, graph_task, leaves_of
 from .state import CaptureState
 from .verify import CheckReport, Verifier, check_hooks
 
@@ -1075,9 +1075,7 @@ class Hooks:
         self._state.depth.clear()
         self._state.forward_of.clear()
         self._state.unheld.clear()
-        if self._verifier.probe_box is not None:
-            drop_box(self._verifier.probe_box)
-            self._verifier.probe_box = None
+        self._verifier.drop_boxes()
         for frame in self._state.frames[::-1]:
             self._forwards.stop_tracker(frame)
         self._state.frames.clear()

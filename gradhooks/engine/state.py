@@ -200,5 +200,13 @@ class CaptureState:
         ``capture="marked"``)."""
         return self.pause.on and (self.capture == "always" or self.marked > 0)
 
+    def recheck(self) -> None:
+        """A check refused a backward (the calls' sums, the probe of the examples, a step's
+        own): every set of calls is checked again at its next forward, as a new one is, until
+        a check passes, not at the 2nd, 4th, 8th... backward alone. A loop that catches the
+        refusal and goes on is refused again at the next step that mixes the examples, rather
+        than given its ``grad1`` unchecked."""
+        self.verified.clear()
+
     def __repr__(self) -> str:
         return f"CaptureState({len(self.targets)} modules)"

@@ -1,10 +1,11 @@
 """The checks of a backward against autograd (``add_hooks(verify=True)``).
 
-At the first backward of each new set of calls (and again at the 2nd, 4th, 8th...), autograd
-computes every parameter's gradient from the model's output-gradients with each example's rows
-weighted differently, in a second backward through the same graph (the probe); ``grad1`` weighted
-alike (or, without ``grad1``, the pieces) must match, or the backward is undone and refused,
-naming the parameters. :class:`Verifier` is the part of a :class:`gradhooks.Hooks` handle that does it.
+At the first backward of each new set of calls (and again at the 2nd, 4th, 8th..., and at
+every backward after one it refused), autograd computes every parameter's gradient from the
+model's output-gradients with each example's rows weighted differently, in a second backward
+through the same graph (the probe); ``grad1`` weighted alike (or, without ``grad1``, the
+pieces) must match, or the backward is undone and refused, naming the parameters.
+:class:`Verifier` is the part of a :class:`gradhooks.Hooks` handle that does it.
 On the CPU, where reading a value back costs nothing, each backward in between compares some
 entries of one parameter's ``grad1`` with autograd's (:meth:`Verifier.spot_check`), a parameter
 after another, so that a loss term on the parameters that starts later is refused where it starts.
@@ -306,12 +307,15 @@ def retained_grads(refs: list[weakref.ref]) -> Iterator[None]:
 
 def _probe_from(verifier: weakref.ref, token: object, grads: tuple) -> None:
     """The probe's hook on the outputs of the forward whose box holds ``token``: where that box
-    is still the verifier's (a forward since, or the handle's removal, dropped it),
-    :meth:`Verifier._probe` with it."""
+    is still the verifier's (the last or the one before; two forwards since, or the handle's
+    removal, dropped it), :meth:`Verifier._probe` with it."""
     v = verifier()
-    box = None if v is None else v.probe_box
-    if box is not None and box.get("token") is token:
-        v._probe(box, grads)
+    if v is None:
+        return
+    for box in (v.probe_box, v.earlier_box):
+        if box is not None and box.get("token") is token:
+            v._probe(box, grads)
+            return
 
 
 def _dependent(edges: list) -> bool:
@@ -347,8 +351,8 @@ _EXAMPLES_NOT_APART = (
     "in its gradient. Or gradhooks read the examples from the wrong "
     "place{lost}: say "
     "where the model's batch is with add_hooks(..., batch_dim=k), or register a rule for the "
-    "layer. This is checked on the first backward of each new set of layer calls, and again at the "
-    "2nd, 4th, 8th... backward."
+    "layer. This is checked on the first backward of each new set of layer calls, again at the "
+    "2nd, 4th, 8th... backward, and at every backward after one it refused."
 )
 
 
@@ -489,6 +493,10 @@ class Verifier:
     def __init__(self, state: CaptureState) -> None:
         self.state = state
         self.probe_box: dict | None = None  # the outputs of the forward the probe starts from
+        # the box of the forward armed before probe_box's, not backpropagated yet: a forward
+        # run in between and never backpropagated (a logging forward with grad on) does not
+        # take the check from it
+        self.earlier_box: dict | None = None
         # the largest entry of the model's gradients at the last full check (verify_backward):
         # the scale the spot check compares a gradient that is zero by symmetry against
         self.overall = 0.0
@@ -499,8 +507,10 @@ class Verifier:
         (:meth:`_probe`): what mixes the examples where neither the tracker nor the sum over
         the batch can see it (a custom ``autograd.Function`` or kernel that computes across the
         batch) shows there."""
-        if self.probe_box is not None:  # (an earlier forward never backpropagated)
-            drop_box(self.probe_box)
+        if self.probe_box is not None:  # (an earlier forward not backpropagated yet: kept)
+            if self.earlier_box is not None:
+                drop_box(self.earlier_box)
+            self.earlier_box = self.probe_box or None  # (a box that ran is empty)
             self.probe_box = None
         if (
             not (self.state.verify and self.state.checks_examples)
@@ -562,6 +572,14 @@ class Verifier:
             box["handle"] = _torch.all_grads_hook(outs, probe)
         # (a hook the user puts on an output after the forward: no probe then, see _probe)
         box["hooks"] = [(weakref.ref(t), _torch.tensor_hooks(t)) for t in outs]
+
+    def drop_boxes(self) -> None:
+        """Let go of the forwards' graphs the probe was armed on (the handle removed, or a
+        check of the caller's own in its place)."""
+        for box in (self.probe_box, self.earlier_box):
+            if box is not None:
+                drop_box(box)
+        self.probe_box = self.earlier_box = None
 
     def keep(self, bw: Backward, pieces: dict, live: dict, scale: float) -> None:
         """A call's pieces, on a backward that verifies the norms (without ``grad1``), for
@@ -658,6 +676,9 @@ class Verifier:
         # stays the handle's: a backward that fails never runs the callback, and the next
         # forward or remove() lets go of it instead)
         _torch.queue_backward_callback(lambda: drop_box(box))
+        if box is self.probe_box and self.earlier_box is not None:
+            drop_box(self.earlier_box)  # (the check has its forward: the one before is let go)
+            self.earlier_box = None
         if found is not None:
             grads_of = {pid: g for pid, g in zip(pids, found) if g is not None}
             plain_of = {pid: g for pid, g in zip(pids, plain) if g is not None}
@@ -854,7 +875,10 @@ class Verifier:
                 wrong.append(f"'{name}' ({diff})")
         if wrong:
             self._refuse_sums(
-                bw, wrong, "This is checked on the first backward of each new set of layer calls."
+                bw,
+                wrong,
+                "This is checked on the first backward of each new set of layer calls, and at "
+                "every backward after one it refused.",
             )
         probe = bw.probe
         if probe is not None and probe.frame in bw.frames:
@@ -865,6 +889,7 @@ class Verifier:
         """Undo backward ``bw``'s ``grad1`` and refuse it: ``grad1`` of the parameters ``wrong``
         does not add up to autograd's gradient."""
         self.backwards.refuse(bw)
+        self.state.recheck()
         raise CheckFailedError(
             f"gradhooks: grad1 does not add up ({self.state.loss_reduction} over the batch) to the "
             f"gradient autograd computed in the same backward, for {_listed(wrong)}. Its "
@@ -1031,6 +1056,7 @@ class Verifier:
         if not wrong:
             return
         self.backwards.refuse(bw)
+        self.state.recheck()
         raise CheckFailedError(
             "gradhooks: grad1 is not the examples' own gradients: weighted over the examples, "
             "it is not the gradient autograd gives from the model's output-gradients with each "
@@ -1100,6 +1126,7 @@ class Verifier:
         if not wrong:
             return
         self.backwards.refuse(bw)
+        self.state.recheck()
         if kept is not None:  # (the results of the backward before, published again)
             collector.restore(kept)
         else:

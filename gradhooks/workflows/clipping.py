@@ -312,7 +312,9 @@ def _given(
                 raise ConfigurationError(
                     f"{where}: clipping group {k} holds a parameter {label} that is not the "
                     f"hooked {type(model).__qualname__}'s: give the groups of the hooked "
-                    "model's parameters"
+                    "model's parameters (an optimizer's param_groups over a whole model whose "
+                    "hooks are on a part of it, add_hooks(model.body): hook the whole model, "
+                    "add_hooks(model))"
                 )
             # (else a frozen parameter of the model: no gradient, left out)
         out.append(indices)

@@ -67,7 +67,7 @@ from .. import pieces as P
 from ..engine.api import engine_of
 from ..engine.compare import hold, largest
 from ..engine.handle import Hooks
-from ..engine.records import half_precision
+from ..engine.records import half_precision, leaves_of
 from ..engine.verify import PROBE_TOLERANCE, mismatch
 from ..errors import (
     CheckFailedError,
@@ -164,7 +164,9 @@ def dp_sgd_step(
     ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
     Each call is a whole step, with its own noise: replacing a ``.grad`` the last call wrote
     and no optimizer step used (micro-batches of one logical batch, each given to it) warns;
-    a logical batch in several physical batches is :class:`gradhooks.DPOptimizer`'s.
+    a logical batch in several physical batches is :class:`gradhooks.DPOptimizer`'s. Losses
+    that also reach trainable parameters the hooks are not on (a head left out of
+    ``add_hooks(model.body)``) warn: those get no gradient from the step.
 
     Args:
         hooks: the handle of ``add_hooks(model, quantities=("grad1",))`` (path ``"grad1"``)
@@ -225,6 +227,7 @@ def dp_sgd_step(
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     _clip.check_bounds(max_norm, clipping_groups, "dp_sgd_step")
     _check_clipping(_clip.total_bound(max_norm), noise_multiplier, generator, clipping)
+    outside = _outside(hooks, per_example_loss)
     check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
     params = _step_params(hooks, method, scaler)
     groups = grouped(hooks, method, params, max_norm, clipping_groups, "dp_sgd_step")
@@ -260,6 +263,7 @@ def dp_sgd_step(
     _written(hooks, params)
     drop_stale_grads(hooks, params)
     _warn_if_noise_repeats(hooks, start)
+    _warn_if_outside(hooks, outside)
     return norms.detach()
 
 
@@ -528,6 +532,45 @@ def drop_stale_grads(writer: object, params: list[torch.nn.Parameter]) -> None:
         for p in params
         if p.grad is not None
     ]
+
+
+def _outside(hooks: Hooks, per_example_loss: Tensor) -> list[torch.nn.Parameter]:
+    """The trainable parameters of modules the hooks are not on that the losses reach (the
+    hooks added to a part of the model, ``add_hooks(model.body)``, the head or a learned
+    temperature left out), which the step writes no gradient: looked for where the step's own
+    check runs (the first step of each new set of calls, then the 2nd, 4th, 8th..., and after
+    a refusal), by a walk of the losses' graph before the step's backward frees it."""
+    engine = engine_of(hooks)
+    if not engine.unverified or not per_example_loss.requires_grad:
+        return []
+    own = {id(p) for _, p in engine.named_parameters()}
+    return [
+        t for t in leaves_of(per_example_loss)
+        if isinstance(t, torch.nn.Parameter) and id(t) not in own
+    ]  # fmt: skip
+
+
+def _warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter]) -> None:
+    """A step done whose losses reached ``outside`` (:func:`_outside`): an optimizer over them
+    leaves them as they are, or steps them again on a ``.grad`` left from before, neither
+    clipped nor noised. (Not said of a step refused: nothing was written.)"""
+    if not outside:
+        return
+    model = hooks.model
+    owner = type(model).__qualname__ if model is not None else "no longer alive"
+    shapes = ", ".join(str(tuple(t.shape)) for t in outside[:5])
+    more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+    warnings.warn(
+        f"gradhooks.dp_sgd_step: the losses reach {len(outside)} trainable parameter(s) that "
+        f"are not the hooked model's ({owner}), of shape {shapes}{more}: the step clips and "
+        "noises the hooked model's gradients alone and writes these no gradient (their .grad "
+        "is left as it was), so an optimizer over them does not train them, or steps them on "
+        "a .grad left from before, neither clipped nor noised. Hook the whole model the "
+        "losses are computed through (add_hooks(model), not a part of it), or freeze them "
+        "(requires_grad_(False)).",
+        GradhooksWarning,
+        stacklevel=3,
+    )
 
 
 def _warn_if_unstepped(hooks: Hooks, params: list[torch.nn.Parameter]) -> None:
@@ -805,6 +848,7 @@ def _check_step(
             wrong.append(f"'{names.get(id(p), '?')}' ({diff})")
     if not wrong:
         return
+    engine.mark_refused()
     what = (
         "the per-example gradients from the hooks, weighted over the examples, are not "
         "the gradient of the examples' own losses weighted alike"
@@ -819,7 +863,8 @@ def _check_step(
         "forward's examples (sorted, flipped or shuffled after the forward: entry i must be the "
         "loss of example i), or the model mixes the examples where gradhooks cannot see it. "
         "Clipping would not bound each example's influence, so no gradient was "
-        "written. This is checked on the first step of each new set of layer calls."
+        "written. This is checked on the first step of each new set of layer calls, and at "
+        "every step after one it refused."
     )
 
 

@@ -655,11 +655,14 @@ def _check_optimizer_params(
                 f"{tuple(p.shape)} that the hooks do not clip (param_groups[{first + k}]): it is "
                 f"not one of the hooked model's ({owner}) now. The model's parameter was replaced "
                 "after the optimizer was built (load_state_dict(..., assign=True), "
-                "layer.weight = nn.Parameter(...)), or the optimizer is another model's. Its "
-                "step would move that old tensor and leave the model as it was, "
-                "or use a gradient with neither clipping nor noise. Build the optimizer over "
-                "model.parameters() again (and the DPOptimizer around it), or load checkpoints "
-                "without assign=True. Nothing was changed."
+                "layer.weight = nn.Parameter(...)), or the optimizer is another model's, or the "
+                f"hooks were added to a part of the model ({owner}: add_hooks(model.body)) and "
+                "the optimizer holds the rest of it too (a head, a learned temperature), which "
+                "the hooks do not see. Its step would move that old tensor and leave the model "
+                "as it was, or use a gradient with neither clipping nor noise. Build the "
+                "optimizer over model.parameters() again (and the DPOptimizer around it), load "
+                "checkpoints without assign=True, or hook the whole model that the losses are "
+                "computed through (add_hooks(model)). Nothing was changed."
             )
 
 
