@@ -130,6 +130,16 @@ class _Prototypes(nn.Module):
         return -torch.cdist(self.encoder(x), self.proto_encoder(memory))
 
 
+class _DeepPrototypes(_Prototypes):
+    """The same, the prototypes encoded by two hooked layers (``Linear``, ``tanh``, ``Linear``):
+    a memory as long as the batch is taken as shared only where the second layer's output
+    meets the examples, after both calls ran as batched."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.proto_encoder = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
 class _PrototypeTable(nn.Module):
     """``K`` prototypes in an ``nn.Embedding``, looked up with ``arange(K)`` (made here, or
     passed as the forward's second argument), scored by a dot product."""
@@ -178,6 +188,7 @@ class _SharedAttention(nn.Module):
 
 SHARED = {
     "prototypes-cdist": (_Prototypes, None, lambda m: m.memory),
+    "prototypes-two-layers": (_DeepPrototypes, None, lambda m: m.memory),
     "prototype-table": (_PrototypeTable, None, lambda m: torch.arange(m.k)),
     "memory-bank": (_MemoryBank, 2, lambda m: m.memory.detach().clone()),
     "shared-attention": (_SharedAttention, 2, lambda m: m.memory.detach().clone()),

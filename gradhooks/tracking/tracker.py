@@ -323,10 +323,15 @@ class Tracker(TorchFunctionMode):
         key = len(self.pending)
         outs = [o for o in outputs if isinstance(o, Tensor)]
         self.pending.append(_Pending(every, outs, shared))
+        # (and the calls its inputs were computed from: an encoder of two layers, whose first's
+        # source the second's outputs carry to where they meet the batch)
+        before = frozenset().union(
+            *(self.would.get(t, frozenset()) for t in inputs if isinstance(t, Tensor))
+        )
         for o in outs:
             if self.layout(o) is not None:
                 self.lineage[o] = every
-            self.would[o] = frozenset({key})
+            self.would[o] = before | {key}
 
     def carry(self, old: Tensor, new: Tensor) -> None:
         """``new`` replaces ``old``, a hooked call's output: its layout (or where its examples
