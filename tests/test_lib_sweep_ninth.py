@@ -26,19 +26,21 @@ and without its entropy temperature learned).
 
 Each is built in float64 and training mode; ``grad1`` and the per-example norms of one backward
 are compared with a loop of batches of one (``rtol=1e-7``; ``1e-6`` or ``1e-5`` where the model
-computes in float32 inside, as its authors wrote it): 25 match. Four, whose examples meet, are refused by
-gradhooks' own error naming the layer, leaving the model, ``.grad``, ``grad1`` and the hooks as
-they were: ConvMixer's and DIN's Dice batch norms in training mode, AutoInt as DeepCTR-Torch
-writes it (its softmax over dimension 1 is over the batch), DPR's passages scored against every
-question of the batch (the passages, as long as the batch, are taken as shared by every question,
-and the passage encoder's gradient, which no question owns, is refused). Mixtral's experts, put
-back by ``results[batch_idx] += ...`` into ``zeros_like(h)``, were once refused: the zeros picked
-by the routing index were taken to have an unknown layout (``tests/test_moe.py``). DeepSeek-V3's
-caches of more rows than the batch are refused where the loop works (a strict xfail, with the
-reason). Twelve are then trained in float32 as their users train them: three steps of
-``zero_grad``, a forward under CPU bfloat16 autocast, ``backward`` (or gradhooks' DP step) and an
-AdamW step, each step's ``grad1`` (or clipped ``.grad``) against the float64 loop within
-bfloat16's tolerance plus twice the error of the same model's own loop under the same autocast
+computes in float32 inside, as its authors wrote it): 26 match, DPR's with the passages of the
+batch taken as shared by every question (a second input as long as the batch, through which the
+examples would meet), each question's loss against them all. DPR's passage encoder, of two
+layers, was once refused so: only the second layer's output was followed to where it met the
+questions (``tests/test_sizes.py``). Three, whose examples meet, are refused by gradhooks' own
+error naming the layer, leaving the model, ``.grad``, ``grad1`` and the hooks as they were:
+ConvMixer's and DIN's Dice batch norms in training mode, and AutoInt as DeepCTR-Torch writes it
+(its softmax over dimension 1 is over the batch). Mixtral's experts, put back by
+``results[batch_idx] += ...`` into ``zeros_like(h)``, were once refused: the zeros picked by the
+routing index were taken to have an unknown layout (``tests/test_moe.py``). DeepSeek-V3's caches
+of more rows than the batch are refused where the loop works (a strict xfail, with the reason).
+Twelve are then trained in float32 as their users train them: three steps of ``zero_grad``, a
+forward under CPU bfloat16 autocast, ``backward`` (or gradhooks' DP step) and an AdamW step,
+each step's ``grad1`` (or clipped ``.grad``) against the float64 loop within bfloat16's
+tolerance plus twice the error of the same model's own loop under the same autocast
 (``test_lib_sweep_eighth.train_bf16``).
 """
 
@@ -1864,7 +1866,11 @@ class BiEncoder(nn.Module):
     """facebookresearch/DPR, ``dpr/models/biencoder.py``: ``BiEncoder`` and its loss
     (``BiEncoderNllLoss``): every question scored against every passage of the batch
     (``q_vectors @ ctx_vectors.T``), its own passage the positive, the others in-batch
-    negatives."""
+    negatives. The passages, the forward's second input, as long as the batch, are taken as
+    shared by every question (as ``docs/guarantees.md`` says of such an input, where the
+    examples would meet through it): each question's ``grad1`` is its own loss's gradient
+    against the batch's passages as a bank, the passage encoder's included; the passages are
+    no examples of their own (under DP, the questions alone are protected)."""
 
     def __init__(self, vocab=13, dim=6):
         super().__init__()
@@ -1877,9 +1883,11 @@ class BiEncoder(nn.Module):
 
 
 def dpr():
-    model = BiEncoder()
-    return Spec(model, (torch.randint(13, (B, 4)), torch.randint(13, (B, 5))),
-                lambda lp: -lp.diagonal())  # fmt: skip
+    """Each question alone against every passage of the batch, its own the positive."""
+    split = lambda args, i: (args[0][i : i + 1], args[1])  # noqa: E731
+    args = (torch.randint(13, (B, 4)), torch.randint(13, (B, 5)))
+    nll = lambda lp, positive: -lp.gather(1, positive[:, None]).squeeze(1)  # noqa: E731
+    return Spec(BiEncoder(), args, nll, (torch.arange(B),), split=split)
 
 
 # -- graphs in plain torch ----------------------------------------------------------------------
@@ -2197,6 +2205,7 @@ MATCH = {
     "bert4rec": bert4rec,
     "autoint-softmax-over-fields": partial(autoint, -1),
     "din-sigmoid": partial(din, "sigmoid"),
+    "dpr-passages-shared": dpr,
     "graphsage-fixed-graph": graphsage,
     "gat-fixed-graph": gat_fixed_graph,
     "lightgcn": lightgcn,
@@ -2221,11 +2230,6 @@ REFUSED = {
         partial(din, "dice"),
         gradhooks.MixedExamplesError,
         ["'attention.local_att.act.bn' (BatchNorm1d)", "eval mode"],
-    ),
-    "dpr-in-batch-negatives": (
-        dpr,
-        gradhooks.BatchNotFoundError,
-        ["'ctx_model.0' (EmbeddingBag)", "(3, 6)", "never met the batch"],
     ),
 }
 
