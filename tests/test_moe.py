@@ -443,6 +443,52 @@ def test_whole_examples_picked_are_still_refused():
     assert tracker.layout(out) is MIXED
 
 
+class _SequenceFirst(MoE):
+    """fairseq's and Tutel's layout: ``[tokens, batch, dim]`` flattened to rows (``t * B + b``),
+    the experts' rows picked and put back as :class:`MoE` does."""
+
+    def forward(self, x):  # [tokens, batch, dim]
+        return super().forward(x.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+class _SequenceFirstRows(MoE):
+    """The same rows routed without moving the batch first: ``x.reshape(-1, dim)`` of
+    ``[tokens, batch, dim]``, each row a token of one example, the examples repeated along it."""
+
+    def forward(self, x):  # [tokens, batch, dim]
+        t, b, d = x.shape
+        h = x.reshape(-1, d)
+        weights, chosen = self.gate(h).softmax(-1).topk(self.k, -1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if self.style == "iadd":
+                out[token] += expert(h[token]) * weights[token, slot, None]
+            else:
+                out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
+        return self.head(out.view(t, b, d))
+
+
+@pytest.mark.parametrize("style", ["where", "iadd"])
+@pytest.mark.parametrize("cls", [_SequenceFirst, _SequenceFirstRows], ids=["moved", "folded"])
+def test_sequence_first_tokens_routed_to_experts(cls, style):
+    """Rows of a sequence-first batch flattened (``[T * B, dim]``, the examples repeated along
+    them) picked by the experts' index are tokens, each of one example, as rows of a batch
+    first one are (they were taken for whole examples picked, and refused); against the loop,
+    ``batch_dim=1``."""
+    torch.manual_seed(0)
+    m, x = cls(k=2, style=style).double(), torch.randn(5, 3, 4, dtype=D)
+    want = {n: [] for n, _ in m.named_parameters()}
+    for i in range(3):
+        grads = torch.autograd.grad(sq(m(x[:, i : i + 1])), list(m.parameters()))
+        for (n, _), g in zip(m.named_parameters(), grads):
+            want[n].append(g)
+    with gradhooks.add_hooks(m, loss_reduction="sum", batch_dim=1):
+        sq(m(x)).backward()
+    for n, p in m.named_parameters():
+        assert_close(p.grad1, torch.stack(want[n]), n)
+
+
 def test_tokens_sorted_by_expert_across_the_batch_are_refused():
     """Sorting the tokens by expert (``argsort`` along the batch's tokens) and picking them in
     that order: the order comes from every example's tokens, and what follows (a split by the

@@ -213,13 +213,7 @@ def _picked(
     items = _index_items(index)
     if items is None or not any(isinstance(i, Tensor) for i in items):
         return None
-    if (
-        lay.owners is None
-        and lay.inner == 1
-        and _tensor_dims(items, x.dim()) == {lay.dim}
-        and not example_masks
-        and not whole
-    ):
+    if lay.plain and _tensor_dims(items, x.dim()) == {lay.dim} and not example_masks and not whole:
         return None  # (whole examples picked: the batch itself changed, x[[1, 0, 0]])
     while items and (
         items[-1] is Ellipsis or isinstance(items[-1], slice) and items[-1] == slice(None)
