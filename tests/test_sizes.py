@@ -140,6 +140,20 @@ class _DeepPrototypes(_Prototypes):
         self.proto_encoder = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
 
 
+class _RectifiedPrototypes(_Prototypes):
+    """Two layers with ``relu_`` between them, in place on the first layer's output."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.proto_encoder = nn.Linear(4, 4)
+        self.proto_out = nn.Linear(4, 4)
+
+    def forward(self, x, memory=None):
+        memory = self.memory if memory is None else memory
+        hidden = self.proto_encoder(memory).relu_()
+        return -torch.cdist(self.encoder(x), self.proto_out(hidden))
+
+
 class _PrototypeTable(nn.Module):
     """``K`` prototypes in an ``nn.Embedding``, looked up with ``arange(K)`` (made here, or
     passed as the forward's second argument), scored by a dot product."""
@@ -189,6 +203,7 @@ class _SharedAttention(nn.Module):
 SHARED = {
     "prototypes-cdist": (_Prototypes, None, lambda m: m.memory),
     "prototypes-two-layers": (_DeepPrototypes, None, lambda m: m.memory),
+    "prototypes-relu-in-place": (_RectifiedPrototypes, None, lambda m: m.memory),
     "prototype-table": (_PrototypeTable, None, lambda m: torch.arange(m.k)),
     "memory-bank": (_MemoryBank, 2, lambda m: m.memory.detach().clone()),
     "shared-attention": (_SharedAttention, 2, lambda m: m.memory.detach().clone()),

@@ -524,7 +524,11 @@ def take_as_shared(tr: Tracker, cands: frozenset[int]) -> None:
         if p.done or not p.lineage & cands:
             continue
         p.done = True
-        made[k] = frozenset(s for s in p.shared(p.outputs) if s is not None)
+        found = p.shared(p.outputs)
+        for s, edge in zip(found, p.edges):
+            if s is not None and edge is not None:
+                tr.edges[s] = edge  # (the call's own output, whatever was done in place since)
+        made[k] = frozenset(s for s in found if s is not None)
     for t, keys in list(tr.would.items()):
         srcs = frozenset().union(*(made.get(k, frozenset()) for k in keys))
         if srcs:
