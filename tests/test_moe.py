@@ -29,7 +29,8 @@ class Expert(nn.Module):
 
 class MoE(nn.Module):
     """Top-``k`` routing per token. ``style``: ``"where"`` (Mixtral: ``torch.where`` of the
-    choices, rows picked by index and put back with ``index_add_``), ``"mask"`` (a boolean mask
+    choices, rows picked by index and put back with ``index_add_``), ``"iadd"`` (the same put
+    back by ``out[token] += ...``, Mixtral's reference code), ``"mask"`` (a boolean mask
     per expert, ``out[mask] = ...``), ``"select"`` (``index_select``, each expert's rows
     concatenated and put back with ``index_copy``). ``skip``: an expert that gets no token is
     not called (no gradient) rather than called on no rows (a zero gradient). ``capacity``:
@@ -60,7 +61,10 @@ class MoE(nn.Module):
             out = out.index_copy(0, torch.cat(order), torch.cat(parts))
             return self.head(out.view(b, t, d))
         for e, expert in enumerate(self.experts):
-            if self.style == "where":
+            if self.style == "iadd":
+                token, slot = torch.where(chosen == e)
+                out[token] += expert(h[token]) * weights[token, slot, None]
+            elif self.style == "where":
                 token, slot = torch.where(chosen == e)
                 if self.skip and token.numel() == 0:
                     continue
@@ -89,7 +93,7 @@ def check(m, x, quantity="grad1"):
             assert_close(p.grad1, want[n], n)
 
 
-@pytest.mark.parametrize("style", ["where", "mask", "select"])
+@pytest.mark.parametrize("style", ["where", "iadd", "mask", "select"])
 @pytest.mark.parametrize("k", [1, 2], ids=["top-1", "top-2"])
 @pytest.mark.parametrize("quantity", ["grad1", "norms"])
 def test_routed_experts_against_the_loop(k, style, quantity):
@@ -98,6 +102,39 @@ def test_routed_experts_against_the_loop(k, style, quantity):
     torch.manual_seed(0)
     m = MoE(k=k, style=style).double()
     check(m, torch.randn(3, 5, 4, dtype=D), quantity)
+
+
+class _Numbered(MoE):
+    """Mixtral's reference routing, ``out[token] += ...``, into rows numbered across the batch
+    (``arange`` of the flattened batch's size) rather than zeros: an example alone would number
+    its rows from 0, so the rows picked from them are not its own."""
+
+    def forward(self, x):
+        h = x.view(-1, x.shape[-1])
+        weights, chosen = self.gate(h).softmax(-1).topk(self.k, -1)
+        out = torch.arange(h.numel(), dtype=h.dtype).view_as(h)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out[token] += expert(h[token]) * weights[token, slot, None]
+        return self.head(out.view(x.shape))
+
+
+def test_rows_picked_from_rows_that_differ_across_the_batch_are_refused():
+    """Rows of zeros (``zeros_like(h)``) picked by the experts' index are zeros for an example
+    alone too, and are followed (``test_routed_experts_against_the_loop``); rows numbered across
+    the batch are not an example's own, and stay refused, nothing written."""
+    torch.manual_seed(0)
+    m, x = _Numbered(k=2).double(), torch.randn(3, 5, 4, dtype=D)
+    want = loop_grad(m, sq, x)
+    with torch.no_grad():
+        full = m(x)
+        alone = torch.cat([m(x[i : i + 1]) for i in range(3)])
+    assert not torch.allclose(full, alone)  # (the batch's rows are not each example's)
+    with pytest.raises(gradhooks.MixedExamplesError, match="'head' \\(Linear\\)"):
+        with gradhooks.add_hooks(m, loss_reduction="sum"):
+            sq(m(x)).backward()
+    assert all(p.grad is None and not hasattr(p, "grad1") for p in m.parameters())
+    assert want
 
 
 def _no_tokens_for(m, expert: int) -> None:
@@ -404,6 +441,52 @@ def test_whole_examples_picked_are_still_refused():
     with tracker:
         out = x[torch.tensor([1, 0, 0])]
     assert tracker.layout(out) is MIXED
+
+
+class _SequenceFirst(MoE):
+    """fairseq's and Tutel's layout: ``[tokens, batch, dim]`` flattened to rows (``t * B + b``),
+    the experts' rows picked and put back as :class:`MoE` does."""
+
+    def forward(self, x):  # [tokens, batch, dim]
+        return super().forward(x.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+class _SequenceFirstRows(MoE):
+    """The same rows routed without moving the batch first: ``x.reshape(-1, dim)`` of
+    ``[tokens, batch, dim]``, each row a token of one example, the examples repeated along it."""
+
+    def forward(self, x):  # [tokens, batch, dim]
+        t, b, d = x.shape
+        h = x.reshape(-1, d)
+        weights, chosen = self.gate(h).softmax(-1).topk(self.k, -1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if self.style == "iadd":
+                out[token] += expert(h[token]) * weights[token, slot, None]
+            else:
+                out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
+        return self.head(out.view(t, b, d))
+
+
+@pytest.mark.parametrize("style", ["where", "iadd"])
+@pytest.mark.parametrize("cls", [_SequenceFirst, _SequenceFirstRows], ids=["moved", "folded"])
+def test_sequence_first_tokens_routed_to_experts(cls, style):
+    """Rows of a sequence-first batch flattened (``[T * B, dim]``, the examples repeated along
+    them) picked by the experts' index are tokens, each of one example, as rows of a batch
+    first one are (they were taken for whole examples picked, and refused); against the loop,
+    ``batch_dim=1``."""
+    torch.manual_seed(0)
+    m, x = cls(k=2, style=style).double(), torch.randn(5, 3, 4, dtype=D)
+    want = {n: [] for n, _ in m.named_parameters()}
+    for i in range(3):
+        grads = torch.autograd.grad(sq(m(x[:, i : i + 1])), list(m.parameters()))
+        for (n, _), g in zip(m.named_parameters(), grads):
+            want[n].append(g)
+    with gradhooks.add_hooks(m, loss_reduction="sum", batch_dim=1):
+        sq(m(x)).backward()
+    for n, p in m.named_parameters():
+        assert_close(p.grad1, torch.stack(want[n]), n)
 
 
 def test_tokens_sorted_by_expert_across_the_batch_are_refused():

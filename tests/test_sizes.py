@@ -130,6 +130,30 @@ class _Prototypes(nn.Module):
         return -torch.cdist(self.encoder(x), self.proto_encoder(memory))
 
 
+class _DeepPrototypes(_Prototypes):
+    """The same, the prototypes encoded by two hooked layers (``Linear``, ``tanh``, ``Linear``):
+    a memory as long as the batch is taken as shared only where the second layer's output
+    meets the examples, after both calls ran as batched."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.proto_encoder = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+class _RectifiedPrototypes(_Prototypes):
+    """Two layers with ``relu_`` between them, in place on the first layer's output."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.proto_encoder = nn.Linear(4, 4)
+        self.proto_out = nn.Linear(4, 4)
+
+    def forward(self, x, memory=None):
+        memory = self.memory if memory is None else memory
+        hidden = self.proto_encoder(memory).relu_()
+        return -torch.cdist(self.encoder(x), self.proto_out(hidden))
+
+
 class _PrototypeTable(nn.Module):
     """``K`` prototypes in an ``nn.Embedding``, looked up with ``arange(K)`` (made here, or
     passed as the forward's second argument), scored by a dot product."""
@@ -178,6 +202,8 @@ class _SharedAttention(nn.Module):
 
 SHARED = {
     "prototypes-cdist": (_Prototypes, None, lambda m: m.memory),
+    "prototypes-two-layers": (_DeepPrototypes, None, lambda m: m.memory),
+    "prototypes-relu-in-place": (_RectifiedPrototypes, None, lambda m: m.memory),
     "prototype-table": (_PrototypeTable, None, lambda m: torch.arange(m.k)),
     "memory-bank": (_MemoryBank, 2, lambda m: m.memory.detach().clone()),
     "shared-attention": (_SharedAttention, 2, lambda m: m.memory.detach().clone()),
@@ -249,6 +275,52 @@ def test_poisson_batch_sizes_over_steps(case, where):
     """Poisson-like batch sizes around K = 4 under one handle, an empty batch among them:
     every step right (was: refused at each step where B == K, or the empty one)."""
     _check_shared(case, 4, [4, 6, 4, 3, 0, 1, 4], where)
+
+
+class _Gain(nn.Module):
+    """A layer without a rule: a gain per feature (the ``torch.func`` fallback computes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class _GainedPrototypes(_Prototypes):
+    """The prototypes through a layer without a rule before their encoder."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.gain = _Gain()
+
+    def forward(self, x, memory=None):
+        memory = self.memory if memory is None else memory
+        return -torch.cdist(self.encoder(x), self.proto_encoder(torch.relu(self.gain(memory))))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=gradhooks.MixedExamplesError,
+    reason=(
+        "A memory given to the forward as long as the batch, through a layer without a rule "
+        "before its encoder: the fallback, which recomputes that layer one example at a time "
+        "as the batch splits it, takes the memory as batched for good (a call of it is never "
+        "made batch-free), so the comparison with every example is then refused as mixing "
+        "them; a memory of another size, or stored on the module, is right."
+    ),
+)
+def test_a_shared_input_through_a_layer_without_a_rule():
+    """A false refusal: the loop, with the memory shared, agrees with autograd."""
+    torch.manual_seed(0)
+    m = _GainedPrototypes(3).double()
+    memory, x = torch.randn(3, 4, dtype=D), torch.randn(3, 3, dtype=D)
+    want = loop_rows(m, x, memory)
+    with gradhooks.add_hooks(m, loss_reduction="sum"):
+        sq(m(x, memory)).backward()
+    for n, p in m.named_parameters():
+        assert_close(p.grad1, want[n], n)
 
 
 class _TwoTowers(nn.Module):

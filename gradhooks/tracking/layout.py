@@ -100,6 +100,9 @@ MIXED = Layout(-3)
 # the model's first input as the engine took it, unknown: there the examples may not be where
 # they were presumed (a 1-d input, a batch_dim on the features), which the engine names)
 CONTRACTED = Layout(-5)
+# (a handler's answer, never a tensor's layout: the result does not depend on the examples,
+# though some of its arguments do; the tracker leaves it without a layout)
+FREE = Layout(-6)
 
 
 def is_followed(lay: Layout | None) -> bool:

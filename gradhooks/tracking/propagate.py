@@ -19,7 +19,7 @@ from .. import _torch
 from .alone import guard_rows
 from .couplings import POWERS, arm, coupling, nonlinear, whole_matrix
 from .couplings import PRODUCTS as PRODUCTS_OF
-from .layout import CONTRACTED, MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
+from .layout import CONTRACTED, FREE, MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
 from .ops import OpFacts, data_args, handler_for, output_layout
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.indexing import by_positions, examples_taken, one_example, puts_back, reorder_of
@@ -132,6 +132,8 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
                 result = None
         if result is None:
             result = output_layout(name, args, kwargs, out, layout_of, tr.batch, ins)
+        if result is FREE:  # (values of no example, though picked by an index that has some)
+            return
         if result is CONTRACTED:  # (the examples' dimension contracted)
             if any([t in tr.given for t in ins]):
                 tr.unknown[name] = None  # (the examples perhaps not where presumed)
@@ -529,7 +531,7 @@ def without_candidates(tr: Tracker, name: str, args, kwargs, out, ins: list, res
 
     alt = output_layout(name, args, kwargs, out, layout_of, tr.batch)
     alts = alt if isinstance(alt, list) else [alt]
-    if not alts or any(a is None or a is MIXED or a is UNKNOWN or a is CONTRACTED for a in alts):
+    if not alts or any(a is None or a in (MIXED, UNKNOWN, CONTRACTED, FREE) for a in alts):
         return result
     take_as_shared(tr, cands)
     return alt
@@ -551,7 +553,11 @@ def take_as_shared(tr: Tracker, cands: frozenset[int]) -> None:
         if p.done or not p.lineage & cands:
             continue
         p.done = True
-        made[k] = frozenset(s for s in p.shared(p.outputs) if s is not None)
+        found = p.shared(p.outputs)
+        for s, edge in zip(found, p.edges):
+            if s is not None and edge is not None:
+                tr.edges[s] = edge  # (the call's own output, whatever was done in place since)
+        made[k] = frozenset(s for s in found if s is not None)
     for t, keys in list(tr.would.items()):
         srcs = frozenset().union(*(made.get(k, frozenset()) for k in keys))
         if srcs:

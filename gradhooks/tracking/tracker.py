@@ -367,11 +367,16 @@ class Tracker(TorchFunctionMode):
             return
         key = len(self.pending)
         outs = [o for o in outputs if isinstance(o, Tensor)]
-        self.pending.append(_Pending(every, outs, shared))
+        self.pending.append(_Pending(every, outs, shared, [_edge(o) for o in outs]))
+        # (and the calls its inputs were computed from: an encoder of two layers, whose first's
+        # source the second's outputs carry to where they meet the batch)
+        before = frozenset().union(
+            *(self.would.get(t, frozenset()) for t in inputs if isinstance(t, Tensor))
+        )
         for o in outs:
             if self.layout(o) is not None:
                 self.lineage[o] = every
-            self.would[o] = frozenset({key})
+            self.would[o] = before | {key}
 
     def carry(self, old: Tensor, new: Tensor) -> None:
         """``new`` replaces ``old``, a hooked call's output: its layout (or where its examples
@@ -389,8 +394,10 @@ class Tracker(TorchFunctionMode):
         if self.would.entries and old in self.would:
             self.would[new] = self.would[old]
             for k in self.would[old]:
-                outs = self.pending[k].outputs
-                self.pending[k].outputs = [new if o is old else o for o in outs]
+                p = self.pending[k]
+                if any(o is old for o in p.outputs):
+                    p.edges = [_edge(new) if o is old else e for o, e in zip(p.outputs, p.edges)]
+                p.outputs = [new if o is old else o for o in p.outputs]
 
     def add_source(self, t: Tensor, source: Source) -> None:
         """``t`` (the output of a batch-free hooked call) is a source from now on."""
@@ -747,7 +754,15 @@ class _Pending:
     lineage: frozenset[int]  # the candidates' ids
     outputs: list[Tensor]
     shared: Callable[[list], list]  # makes the call batch-free: its outputs' sources
+    # the outputs' gradient edges as the call made them (an in-place operation after it, h.relu_(),
+    # gives the tensor another)
+    edges: list = field(default_factory=list)
     done: bool = False
+
+
+def _edge(t: Tensor) -> Any:
+    """``t``'s gradient edge now, or ``None`` where no gradient reaches it."""
+    return torch.autograd.graph.get_gradient_edge(t) if t.requires_grad else None
 
 
 _ACTIVE: list[Tracker] = []

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..layout import (
+    FREE,
     MIXED,
     REORDER,
     UNKNOWN,
@@ -119,6 +120,8 @@ def _getitem(args, kwargs, out, layout_of, batch):
                     rows = owner_map(mask, found[0], batch).expand(mask.shape)[mask]
                 return owned(0, rows, found[0], batch) if o.dim() >= 1 else UNKNOWN
             return found[0]
+        if found and _one_value(x):
+            return FREE  # (entries of zeros_like(h), whichever an index picks: zeros)
         return UNKNOWN
     if lay.dim < 0:
         return lay
@@ -143,6 +146,18 @@ def _getitem(args, kwargs, out, layout_of, batch):
 
 
 HANDLERS["__getitem__"] = NeedsBatch(_getitem)
+
+
+def _one_value(x: Tensor) -> bool:
+    """Whether ``x``, a tensor that does not depend on the examples, takes no gradient and holds
+    one value in every entry (``results = torch.zeros_like(h)``): whichever entries an index
+    picks from it (``results[batch_idx] += ...``, Mixtral's reference mixture of experts), even
+    one that depends on the examples, hold that value, for the batch as for each example
+    alone."""
+    if x.requires_grad or x.numel() == 0:
+        return False
+    with torch.no_grad():
+        return bool((x == x.reshape(-1)[0]).all())
 
 
 def _index_items(index: Any) -> list | None:
@@ -198,13 +213,7 @@ def _picked(
     items = _index_items(index)
     if items is None or not any(isinstance(i, Tensor) for i in items):
         return None
-    if (
-        lay.owners is None
-        and lay.inner == 1
-        and _tensor_dims(items, x.dim()) == {lay.dim}
-        and not example_masks
-        and not whole
-    ):
+    if lay.plain and _tensor_dims(items, x.dim()) == {lay.dim} and not example_masks and not whole:
         return None  # (whole examples picked: the batch itself changed, x[[1, 0, 0]])
     while items and (
         items[-1] is Ellipsis or isinstance(items[-1], slice) and items[-1] == slice(None)
