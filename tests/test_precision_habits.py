@@ -3,22 +3,22 @@
 Each test runs several steps of an ordinary loop (``zero_grad``, a forward, a backward or
 gradhooks' DP step, an optimizer's step) with a habit the earlier sets do not run: a model cast
 whole to float16 whose loss is scaled by hand, so that its examples' squared gradient norms pass
-float16's range (65504), read as ``("norms",)``, ``sum_grad_sq`` and the noise scale; the DP
-step (``grad1``, ghost and book-keeping) of a model cast to float16 or bfloat16 whose float32
-master weights are stepped and copied back; autocast entered only around a loss that has a
-matrix product of its own; a float32 island (``autocast(enabled=False)`` and ``.float()``)
-around a softmax and a norm inside a float16 forward, under a ``GradScaler`` whose scale grows
-every step and backs off after the steps it skips, and the DP step through them with the
-scaler; ``scaler.unscale_`` then
-``clip_grad_norm_``, with the per-example norms divided by the scale; the K-FAC factors of a
-scaled float16 backward (``G`` divided by the square of the scale); the optimizers picked on
-GPUs over bfloat16 parameters (``AdamW(fused=True)``, ``foreach=True``, ``Adafactor``, a Lion
-written in plain torch, each behind a linear warm-up); ``zero_grad(set_to_none=False)`` keeping
-bfloat16 zeros in ``.grad`` over micro-batches; :class:`gradhooks.KFAC` over bfloat16
-parameters against its float64 twin; ``torch.use_deterministic_algorithms(True)`` around a
-hooked DP step; and float8 training simulated in plain torch (torchao's ``Float8Linear``), its
-inputs rounded by each example's scale, and refused, naming the layer and the ``amax``, where
-one scale of the whole batch makes each example's output depend on the others'.
+float16's range (65504), read as ``("norms",)``, ``sum_grad_sq`` and the noise scale; the DP step
+(``grad1``, ghost and book-keeping) of a model cast to float16 or bfloat16 whose float32 master
+weights are stepped and copied back; autocast entered only around a loss that has a matrix product
+of its own; a float32 island (``autocast(enabled=False)`` and ``.float()``) around a softmax and a
+norm inside a float16 forward, under a ``GradScaler`` whose scale grows every step and backs off
+after the steps it skips, and the DP step through them with the scaler; ``scaler.unscale_`` then
+``clip_grad_norm_``, with the per-example norms divided by the scale; the K-FAC factors of a scaled
+float16 backward (``G`` divided by the square of the scale); the optimizers picked on GPUs over
+bfloat16 parameters (``AdamW(fused=True)``, ``foreach=True``, ``Adafactor``, a Lion written in
+plain torch, each behind a linear warm-up); ``zero_grad(set_to_none=False)`` keeping bfloat16 zeros
+in ``.grad`` over micro-batches; :class:`gradhooks.KFAC` over bfloat16 parameters against its
+float64 twin; ``torch.use_deterministic_algorithms(True)`` around a hooked DP step; the DP step's
+noise, of its scale in every precision (parameters in float16 or bfloat16, autocast with or without
+a scaler); and float8 training simulated in plain torch (torchao's ``Float8Linear``), its inputs
+rounded by each example's scale, and refused, naming the layer and the ``amax``, where one scale of
+the whole batch makes each example's output depend on the others'.
 
 Every ``grad1`` (and norm, squared sum, K-FAC factor, clipped sum) is compared at every step
 with each example's own gradient by the per-example loop in float64
@@ -186,6 +186,53 @@ def test_the_dp_step_of_a_half_model_with_float32_master_weights(dtype, method):
                 assert p.grad.dtype == dtype, n
                 near(p.grad, clipped[n], TOL[dtype], f"step {step}: {n}")
             masters.step()
+
+
+SETTINGS = {  # the parameters' dtype, autocast's, and the scaler's first scale
+    "fp16-params": (torch.float16, None, None),
+    "bf16-params": (torch.bfloat16, None, None),
+    "fp16-autocast-scaler": (torch.float32, torch.float16, 2.0**8),
+    "bf16-autocast": (torch.float32, torch.bfloat16, None),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_the_dp_steps_noise_has_its_scale_in_every_precision(setting):
+    """The noised DP step (``σ = 2``, ``C = 1``) of a model of 8,515 parameters in each
+    precision, over two SGD steps: ``.grad`` times the batch (divided by the scale where a
+    scaler scaled it) less the loop's clipped sum is the noise, whose standard deviation is
+    ``σ·C`` within 5% and whose mean is within four of its standard errors of zero: the noise
+    is neither rounded away, nor scaled twice, nor left scaled by the scaler."""
+    dtype, autocast, init_scale = SETTINGS[setting]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+    model.append(nn.Linear(64, 3)).to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if init_scale else None
+    generator = torch.Generator().manual_seed(1234)
+    sigma, max_norm = 2.0, 1.0
+    with gradhooks.add_hooks(model) as h:
+        for step in range(2):
+            x, y = batch(step, n=8, features=64)
+            x = x.to(dtype)
+            want = loop(model, x, y)
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+                logits = model(x)
+            losses = F.cross_entropy(logits.float(), y, reduction="none")
+            scale = scaler.get_scale() if scaler else 1.0
+            step_kwargs = {"noise_multiplier": sigma, "generator": generator, "scaler": scaler}
+            gradhooks.dp_sgd_step(h, losses, max_norm=max_norm, **step_kwargs)
+            clipped = clipped_mean(want, max_norm)
+            grads = {n: p.grad.double() / scale for n, p in model.named_parameters()}
+            noise = flat({n: (g - clipped[n])[None] for n, g in grads.items()})[0] * len(y)
+            assert abs(noise.std() / (sigma * max_norm) - 1) < 0.05, (step, noise.std())
+            assert abs(noise.mean()) < 4 * sigma * max_norm / len(noise) ** 0.5, step
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
 
 
 # -- autocast where the loop puts it ----------------------------------------------------------
@@ -627,7 +674,8 @@ def test_float8_linears_rowwise_then_tensorwise_under_bfloat16_autocast():
     rounded alike) at every AdamW step. With the input rounded by one scale of the whole batch
     (tensorwise), each example's output depends on the others' largest entry: the backward
     is refused at the forward, with a ``MixedExamplesError`` naming the layer and the
-    ``amax``, and leaves the weights, ``.grad``, ``grad1`` and the hooks as they were."""
+    ``amax``, and leaves the weights, ``.grad``, ``grad1`` and the hooks as they were: the
+    rowwise recipe then trains on."""
     from harness import assert_untouched, model_state, raised
 
     model = Float8Net()
@@ -656,3 +704,10 @@ def test_float8_linears_rowwise_then_tensorwise_under_bfloat16_autocast():
             assert_untouched(model, before)
         finally:
             Float8Linear.rowwise = True
+        want = loop(model, x, y)  # and the rowwise recipe trains on
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ce(model(x), y)
+        loss.backward()
+        for n, p in model.named_parameters():
+            near(p.grad1, want[n], BF16, f"after the refusal: {n}")
