@@ -13,12 +13,13 @@ after the steps it skips, and the DP step through them with the scaler; ``scaler
 float16 backward (``G`` divided by the square of the scale); the optimizers picked on GPUs over
 bfloat16 parameters (``AdamW(fused=True)``, ``foreach=True``, ``Adafactor``, a Lion written in
 plain torch, each behind a linear warm-up); ``zero_grad(set_to_none=False)`` keeping bfloat16 zeros
-in ``.grad`` over micro-batches; :class:`gradhooks.KFAC` over bfloat16 parameters against its
-float64 twin; ``torch.use_deterministic_algorithms(True)`` around a hooked DP step; the DP step's
-noise, of its scale in every precision (parameters in float16 or bfloat16, autocast with or without
-a scaler); and float8 training simulated in plain torch (torchao's ``Float8Linear``), its inputs
-rounded by each example's scale, and refused, naming the layer and the ``amax``, where one scale of
-the whole batch makes each example's output depend on the others'.
+in ``.grad`` over micro-batches; the DP step of a bfloat16 model whose ``.grad`` are views of one
+flat buffer stepped by a float32 master; :class:`gradhooks.KFAC` over bfloat16 parameters against
+its float64 twin; ``torch.use_deterministic_algorithms(True)`` around a hooked DP step; the DP
+step's noise, of its scale in every precision (parameters in float16 or bfloat16, autocast with or
+without a scaler); and float8 training simulated in plain torch (torchao's ``Float8Linear``), its
+inputs rounded by each example's scale, and refused, naming the layer and the ``amax``, where one
+scale of the whole batch makes each example's output depend on the others'.
 
 Every ``grad1`` (and norm, squared sum, K-FAC factor, clipped sum) is compared at every step
 with each example's own gradient by the per-example loop in float64
@@ -27,10 +28,15 @@ was scaled (its square for the second-order quantities), within the rounding of 
 the step ran in: ``5e-2`` of the largest entry for bfloat16 (8 significant bits), ``1e-2`` for
 float16 (11), as ``docs/mixed-precision.md`` states.
 
-No wrong number or false refusal was found here: the norms, squared sums, noise scale and
-K-FAC factors of float16 parameters are formed in float32, and stay finite and right where
-their float16 squares would overflow. ``torch.optim.Adam(capturable=True)`` is refused by torch
-itself on the CPU (it wants an accelerator), and is not run.
+Found and fixed: the DP step (``dp_sgd_step``, :class:`gradhooks.DPOptimizer`, and across ranks)
+set each ``.grad`` to a new tensor, where autograd's backward adds into the ``.grad`` that is
+there. A loop whose ``.grad`` are views of one flat buffer (Megatron's and DeepSpeed's contiguous
+gradients, float32 master weights stepped from one flat tensor) then stepped on the buffer's zeros,
+in silence; the step now writes into a ``.grad`` that is there. No other wrong number or false
+refusal was found: the norms, squared sums, noise scale and K-FAC factors of float16 parameters are
+formed in float32, and stay finite and right where their float16 squares would overflow.
+``torch.optim.Adam(capturable=True)`` is refused by torch itself on the CPU (it wants an
+accelerator), and is not run.
 """
 
 from __future__ import annotations
@@ -232,6 +238,76 @@ def test_the_dp_steps_noise_has_its_scale_in_every_precision(setting):
                 scaler.step(optimizer)
                 scaler.update()
             else:
+                optimizer.step()
+
+
+class FlatMaster(torch.optim.Optimizer):
+    """Megatron's and DeepSpeed's contiguous gradients in one process: every parameter's
+    ``.grad`` a view of one flat buffer in the parameters' dtype (kept by ``zero_grad``, which
+    zeroes it), one flat float32 master stepped by AdamW from it, copied back into the
+    parameters."""
+
+    def __init__(self, params, lr: float) -> None:
+        params = list(params)
+        super().__init__(params, {"lr": lr})
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+        self.master = torch.cat([p.detach().float().flatten() for p in params])
+        self.master.requires_grad_(True)
+        self.inner = torch.optim.AdamW([self.master], lr=lr)
+        for p, view in zip(params, self._views(self.buffer)):
+            p.grad = view
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        params = self.param_groups[0]["params"]
+        return [v.view_as(p) for p, v in zip(params, flat.split([p.numel() for p in params]))]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.buffer.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.master.grad = self.buffer.float()
+        self.inner.step()
+        for p, view in zip(self.param_groups[0]["params"], self._views(self.master)):
+            p.copy_(view)
+
+
+@pytest.mark.parametrize("writer", ["grad1", "ghost", "dp-optimizer"])
+def test_the_dp_step_into_a_flat_gradient_buffer_of_a_bfloat16_model(writer):
+    """A bfloat16 model whose ``.grad`` are views of one flat buffer, stepped from it by a
+    float32 master (:class:`FlatMaster`), trained by ``dp_sgd_step`` (``grad1``, ghost) or
+    :class:`gradhooks.DPOptimizer` without noise: after each step the buffer holds the loop's
+    clipped mean, and each ``.grad`` is still its view. The DP step used to set ``.grad`` to a
+    new tensor, where autograd's backward adds into the one there: the buffer kept its zeros,
+    and the master stepped on nothing, in silence."""
+    model = Net().to(torch.bfloat16)
+    optimizer = FlatMaster(model.parameters(), lr=1e-2)
+    views = [p.grad for p in model.parameters()]
+    quantities = ("norms",) if writer == "ghost" else ("grad1",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        if writer == "dp-optimizer":
+            dp = gradhooks.DPOptimizer(
+                optimizer, h, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=6
+            )
+        for step in range(STEPS):
+            x, y = batch(step)
+            x = x.bfloat16()
+            want = loop(model, x, y)
+            max_norm = flat(want).norm(dim=1).median().item()
+            optimizer.zero_grad()
+            losses = F.cross_entropy(model(x).float(), y, reduction="none")
+            if writer == "dp-optimizer":
+                dp.max_grad_norm = max_norm
+                dp.backward(losses)
+                dp.step()  # (the wrapped FlatMaster steps from the buffer)
+            else:
+                gradhooks.dp_sgd_step(h, losses, max_norm=max_norm, noise_multiplier=0.0)
+            assert all(p.grad is v for p, v in zip(model.parameters(), views)), step
+            clipped = clipped_mean(want, max_norm)
+            near(
+                optimizer.buffer, flat({n: c[None] for n, c in clipped.items()})[0], BF16, "buffer"
+            )
+            if writer != "dp-optimizer":
                 optimizer.step()
 
 
