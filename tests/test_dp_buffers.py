@@ -279,6 +279,7 @@ def test_bookkeeping_uses_the_pieces_up_before_drawing_the_noise(monkeypatch):
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:
         for _ in range(2):  # (the first step checked against autograd, the second not)
             events.clear()
+            model.zero_grad()  # (a .grad kept is written into, as autograd adds into it)
             out = model(x)
             losses = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
             gradhooks.dp_sgd_step(

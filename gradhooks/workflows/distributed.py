@@ -149,7 +149,7 @@ def dp_sgd_step(
     )
     denom = _dp._denominator(total_batch, reduction, expected_batch_size)
     for p, g, layout in zip(params, grads, sparse, strict=True):
-        p.grad = _like(p, _dp.as_grad((g / denom).detach(), layout))
+        _dp.write_grad(p, _like(p, _dp.as_grad((g / denom).detach(), layout)))
     _dp.drop_stale_grads(hooks, params)
     return norms.detach()
 

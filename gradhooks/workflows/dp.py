@@ -161,7 +161,8 @@ def dp_sgd_step(
     clipping_groups: ClippingGroups = None,
 ) -> Tensor:
     """Backward of ``per_example_loss`` (``[batch]``) with per-example clipping and noise into
-    ``p.grad`` (replacing what was there) for every trainable parameter of the hooked model.
+    ``p.grad`` (replacing what was there; a ``.grad`` there is written into, as autograd's
+    backward adds into it) for every trainable parameter of the hooked model.
     Each call is a whole step, with its own noise: replacing a ``.grad`` the last call wrote
     and no optimizer step used (micro-batches of one logical batch, each given to it) warns;
     a logical batch in several physical batches is :class:`gradhooks.DPOptimizer`'s. Losses
@@ -246,7 +247,7 @@ def dp_sgd_step(
     )  # fmt: skip
     if scale is not None and not finite(norms, clipped):
         for p in params:  # (scaler.step sees them, and skips the step)
-            p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
+            write_grad(p, torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device))
         return norms.detach()
     std *= scale or 1.0  # (the clipped sums are scaled by it)
     _warn_if_sizes_vary(hooks, per_example_loss.shape[0], reduction, expected_batch_size)
@@ -259,7 +260,7 @@ def dp_sgd_step(
         clipped = _torch.foreach_div(clipped, denom)
     _warn_if_unstepped(hooks, params)
     for p, c, layout in zip(params, clipped, sparse, strict=True):
-        p.grad = as_grad(c, layout)
+        write_grad(p, as_grad(c, layout))
     _written(hooks, params)
     drop_stale_grads(hooks, params)
     _warn_if_noise_repeats(hooks, start)
@@ -895,6 +896,29 @@ def as_grad(value: Tensor, sparse: bool) -> Tensor:
     the DP step (``SparseAdam``) takes the DP step's gradient too."""
     value = value.detach() if value.requires_grad else value
     return value.to_sparse(sparse_dim=1) if sparse else value
+
+
+def write_grad(p: Tensor, value: Tensor) -> None:
+    """``p.grad = value``, written into the tensor ``p.grad`` holds where it is one like
+    ``value`` (dense, of its shape, dtype and device, an entry per element), as autograd's
+    backward adds into an existing ``.grad``: a ``.grad`` that is a view of a flat buffer (a
+    contiguous gradient buffer stepped as one tensor, float32 master weights stepped from it,
+    ``DistributedDataParallel(gradient_as_bucket_view=True)``) then holds the step's gradient,
+    where a new tensor would leave the buffer with the old one."""
+    g = p.grad
+    if (
+        g is not None
+        and type(g) is torch.Tensor
+        and type(value) is torch.Tensor
+        and g.layout == value.layout == torch.strided
+        and (g.shape, g.dtype, g.device) == (value.shape, value.dtype, value.device)
+        and not g.requires_grad
+        and (g.is_contiguous() or g.stride() == p.stride())
+    ):
+        with torch.no_grad():
+            g.copy_(value)
+    else:
+        p.grad = value
 
 
 def _clipped_sums(hooks: Hooks, *args, **kwargs) -> StepSums:

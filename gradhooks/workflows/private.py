@@ -391,7 +391,7 @@ class DPOptimizer(torch.optim.Optimizer):
             scale = float(self.scaler.get_scale())
         if not self._finite:  # (scaler.step sees NaN, skips, and update() lowers the scale)
             for p in params:
-                p.grad = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device)
+                _dp.write_grad(p, torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.device))
         else:
             multiplier = self.noise_multiplier
             if self.adaptive_clipping is not None:
@@ -407,7 +407,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 # (the noise drawn into the gradient's own tensor, around the sum)
                 grad = _dp.noise(p, self.generator, std, s) if std > 0 else s.to(p.dtype)
                 grad = grad.div_(self.expected_batch_size)
-                p.grad = _dp.as_grad(grad if scale == 1.0 else grad.mul_(scale), sparse)
+                _dp.write_grad(p, _dp.as_grad(grad if scale == 1.0 else grad.mul_(scale), sparse))
         _dp.drop_stale_grads(self, params)
         stepped = self._finite
         if stepped and self.adaptive_clipping is not None:
