@@ -183,7 +183,7 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
         d = 0 if arg(args, kwargs, 1, "batch_first", False) else 1
         rows = torch.tensor([tr.single[t][0] for t in tensors], device=o.device)
         tr.rejoined += 1
-        return owned(d, rows, base.at(d), tr.batch)
+        return owned(d, rows, base.at(d), tr.batch, placed=True)
     if name in ("stack", "cat", "concat", "concatenate"):
         tensors = arg(args, kwargs, 0, "tensors")
         o = outs[0] if len(outs) == 1 else None
@@ -200,7 +200,7 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
             return MIXED
         rows = torch.tensor([tr.single[t][0] for t in tensors], device=o.device)
         tr.rejoined += 1
-        return owned(d, rows, base.at(d), tr.batch)
+        return owned(d, rows, base.at(d), tr.batch, placed=True)
     if len({b for b, _ in found}) != 1:
         return None  # (two examples combined)
     if len(laid) == 1 and len(outs) == 1:
@@ -208,7 +208,7 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
         if d is not None:  # (x[i].unsqueeze(0): that example as a batch of one)
             rows = torch.tensor(found[0][:1], device=outs[0].device)
             tr.rejoined += 1
-            return owned(d, rows, base.at(d), tr.batch)
+            return owned(d, rows, base.at(d), tr.batch, placed=True)
     for o in outs:
         tr.single[o] = found[0]
         if laid[0] in tr.alone:
