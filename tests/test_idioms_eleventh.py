@@ -1163,20 +1163,19 @@ class _Dropping(nn.Module):
         return self.b(torch.tanh(h))
 
 
-def test_the_row_loop_that_drops_an_example_gives_it_a_zero_row():
-    """The last example never reaches the loss: its grad1 is zero; the others' are the loop's
-    (each example run alone, kept)."""
+def test_the_row_loop_that_drops_an_example_is_refused():
+    """The last example never reaches the loss by its place in the batch: the per-example
+    loop, which runs the model on each example alone (where it stands first, and is kept),
+    gives it its gradient. Once its grad1 was zero with no error; refused at the forward,
+    naming the layer the others' rows reach (tests/test_fixed_rows.py), nothing written."""
     model = _Dropping().to(D)
     x = torch.randn(4, 3, dtype=D)
-    kept = nn.Module()
-    kept.a, kept.b = model.a, model.b
-    kept.forward = lambda x: model(x, len(x))
-    want = loop_grad(kept, lambda out: out.sum(), x)
-    for g in want.values():
-        g[3] = 0
+    want = loop_grad(model, lambda out: out.sum(), (x, 3))
+    assert want["a.weight"][3].any()  # (the loop keeps the last example)
     with gradhooks.add_hooks(model, loss_reduction="sum"):
-        model(x, 3).sum().backward()
-    assert_grad1(model, want, "dropped")
+        with pytest.raises(gradhooks.MixedExamplesError, match=r"'a' \(Linear\)"):
+            model(x, 3).sum().backward()
+    assert all(p.grad is None and not hasattr(p, "grad1") for p in model.parameters())
 
 
 @pytest.mark.parametrize("how", ["split", "chunk"])

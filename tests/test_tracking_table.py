@@ -122,6 +122,11 @@ def describe(handler) -> str:
     return name + (f"({', '.join(cells)})" if cells else "")
 
 
+# Python's methods that the rule took for in-place operators by their names, changed on
+# purpose since: int(t) and operator.index(t) read a value (tests/test_fixed_rows.py)
+_READS_NOW = frozenset({"__int__", "__index__", "__iter__", "__init__"})
+
+
 def _frozen_inplace(name: str) -> bool:
     """The hand-written rule for in-place operations, as it was: a name that ends in ``_``,
     Python's in-place operators, ``__setitem__``."""
@@ -200,7 +205,7 @@ def test_in_place_from_the_schema_as_by_the_name(off):
     names = _public_names()
     assert len(names) > 1200
     with _schema(off):
-        wrong = [n for n in names if is_inplace(n) != _frozen_inplace(n)]
+        wrong = [n for n in names if is_inplace(n) != (_frozen_inplace(n) and n not in _READS_NOW)]
         assert not wrong, wrong
         assert is_inplace("add_") and is_inplace("__iadd__") and is_inplace("__setitem__")
         assert not is_inplace("retain_grad")  # (annotated as writing, but changes no value)

@@ -779,6 +779,8 @@ class CallLayouts:
             )
         if root and lout and self._reseed_from_output(target, ins, outs, lout, tracker):
             lout = tuple([tracker.layout(t) for t in outs])
+        if first.owners is not None or target.entry is FALLBACK:
+            tracker.note_placed(target.module, target.where, _shapes(args, kwargs), lin)
         if first is PACKED or target.entry is FALLBACK:
             return CallLayout("plain", batch, first, lin, lout, root=root)
         dim = target.entry.batch_dim_of(target.module)

@@ -740,12 +740,21 @@ class Verifier:
     ) -> None:
         """Refuses a forward whose outputs lost the examples by mixing them (a mean over what
         was taken as the batch: a sequence-first model read batch-first), where no output keeps
-        them apart. ``leaves``: ``tree_leaves(output)``, where the caller has them."""
+        them apart, and one where rows picked by their place in the batch reached a hooked
+        module or the outputs for some examples and not for others (``lin(x[:2])``:
+        :meth:`Tracker.uneven_placed`). ``leaves``: ``tree_leaves(output)``, where the caller
+        has them."""
         if leaves is None:
             leaves = tree_leaves(output)
         outs = [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
         lays = [tracker.layout(t) for t in outs]
         self._check_order(module, outs, lays)
+        if outs and (tracker.placed or tracker.decided or any(
+            lay is not None and lay.owners is not None for lay in lays
+        )):  # fmt: skip
+            why = tracker.uneven_placed(outs, f"'{type(module).__qualname__}' (the model)")
+            if why is not None:
+                raise MixedExamplesError(why)
         mixed = [t for t, lay in zip(outs, lays) if lay is MIXED and t.dim() > 0]
         if not mixed or any(lay is not None and lay is not MIXED for lay in lays):
             return  # (an output that keeps the examples, or whose layout was lost)

@@ -23,12 +23,18 @@ class Owners:
     (where they are written back to, ``out.index_add_(0, top_x, y)``). ``shuffled``: the
     examples put in another order by an index of their dimension, ``x[perm]`` (where no
     gradient flows, mixed with the batch in order, ``lam * x + (1 - lam) * x[perm]``, that is
-    MixUp of the inputs: mixed before the model). Two are equal where their rows are."""
+    MixUp of the inputs: mixed before the model). ``placed``: the rows were picked by their
+    place in the batch, not by data (a slice or a split of it, ``x[:2]``, ``x.narrow(0, 1,
+    2)``, one example taken out alone and given its batch dimension back, ``x[i][None]``),
+    and kept so by what only reshapes, repeats or joins them: a per-example loop, which runs
+    the model on each example alone, gives every example what such rows get only where the
+    forward picks every example alike (see :mod:`gradhooks.tracking.rows`). Two are equal
+    where their rows are."""
 
-    __slots__ = ("rows", "base", "shuffled")
+    __slots__ = ("rows", "base", "shuffled", "placed")
 
-    def __init__(self, rows: Tensor, base: Layout | None = None) -> None:
-        self.rows, self.base, self.shuffled = rows, base, False
+    def __init__(self, rows: Tensor, base: Layout | None = None, placed: bool = False) -> None:
+        self.rows, self.base, self.shuffled, self.placed = rows, base, False, placed
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -174,11 +180,11 @@ def owner_map(t: Tensor, layout: Layout, batch: int) -> Tensor:
     return owner_vector(layout, batch, t.device).view(shape)
 
 
-def owned(dim: int, rows: Tensor, base: Layout | None, batch: int) -> Layout:
+def owned(dim: int, rows: Tensor, base: Layout | None, batch: int, placed: bool = False) -> Layout:
     """The layout of a dimension whose entry ``r`` belongs to example ``rows[r]``: ``base``
     (at ``dim``; for rows picked from rows picked, the layout those were picked from) where
     ``rows`` is its own (every row picked in place, or put back in place: ``x[perm]
-    [perm.argsort()]``), else an :class:`Owners` layout."""
+    [perm.argsort()]``), else an :class:`Owners` layout (``placed``: see :class:`Owners`)."""
     rows = rows.reshape(-1).to(torch.int64)
     if base is not None and base.owners is not None:
         base = base.owners.base  # (rows picked from rows picked: the batch they came from)
@@ -190,7 +196,7 @@ def owned(dim: int, rows: Tensor, base: Layout | None, batch: int) -> Layout:
         and torch.equal(owner_vector(base, batch, rows.device), rows)
     ):
         return Layout(dim, base.outer, base.inner)
-    return Layout(dim, owners=Owners(rows, base))
+    return Layout(dim, owners=Owners(rows, base, placed))
 
 
 def owner_dim(ow: Tensor, o: Tensor, base: Layout | None, batch: int) -> Layout | None:
@@ -239,7 +245,7 @@ def slice_rows(lay: Layout, size: int, start: int, stop: int, step: int, device)
     if lay.owners is not None:
         return MIXED
     rows = owner_vector(lay, size // (lay.outer * lay.inner), device)[start:stop:step]
-    return Layout(lay.dim, owners=Owners(rows, lay))
+    return Layout(lay.dim, owners=Owners(rows, lay, placed=True))
 
 
 def split_rows(lay: Layout, sizes: Sequence[int]) -> list[Layout]:
@@ -254,5 +260,5 @@ def split_rows(lay: Layout, sizes: Sequence[int]) -> list[Layout]:
         start += n
         if n and (not bool((rows == rows[0]).all()) or int((every == rows[0]).sum()) != n):
             return [MIXED] * len(sizes)
-        found.append(Layout(lay.dim, owners=Owners(rows, lay.owners.base)))
+        found.append(Layout(lay.dim, owners=Owners(rows, lay.owners.base, lay.owners.placed)))
     return found

@@ -19,7 +19,17 @@ from .. import _torch
 from .alone import guard_rows
 from .couplings import POWERS, arm, coupling, nonlinear, whole_matrix
 from .couplings import PRODUCTS as PRODUCTS_OF
-from .layout import CONTRACTED, FREE, MIXED, PACKED, REORDER, UNKNOWN, Layout, is_followed
+from .layout import (
+    CONTRACTED,
+    FREE,
+    MIXED,
+    PACKED,
+    REORDER,
+    UNKNOWN,
+    Layout,
+    is_followed,
+    sole_owner,
+)
 from .ops import OpFacts, data_args, handler_for, output_layout
 from .ops.common import arg, carries, is_inplace, norm_dim, op_name, out_tensors, tensor_args
 from .ops.indexing import by_positions, examples_taken, one_example, puts_back, reorder_of
@@ -513,10 +523,17 @@ def without_candidates(tr: Tracker, name: str, args, kwargs, out, ins: list, res
     gives a layout that keeps the examples apart, they are, from now on (the hooked calls
     on them become batch-free, their outputs sources: :func:`take_as_shared`), and that
     layout is the result. Not where the forward already combined them with the examples
-    row by row (:attr:`.Tracker.joined`)."""
+    row by row (:attr:`.Tracker.joined`), nor where one of them is one example's rows picked
+    by their place in the batch (``ids[0:1]``, expanded or not: that example's own, as
+    ``ids[0]`` is, never a row shared by every example)."""
     found = [t for t in ins if t in tr.lineage]
     if not found:
         return result
+    for t in found:
+        lay = tr.layout(t)
+        if lay is not None and lay.owners is not None and lay.owners.placed:
+            if sole_owner((lay,)) is not None:
+                return result
     cands = frozenset().union(*(tr.lineage[t] for t in found))
     if cands & tr.joined:
         return result

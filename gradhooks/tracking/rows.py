@@ -6,7 +6,10 @@
 - *single*: one example taken out of the batch alone, and what is computed from it, joined
   back later (:func:`singles`);
 - *positions*: indices of rows that each example's own mask found (:func:`follow_positions`,
-  :func:`follow_row_indices`).
+  :func:`follow_row_indices`);
+- *placed*: rows picked by their place in the batch (``x[:2]``, ``x[i : i + 1]``), and where
+  they reached a hooked call or the model's outputs for some examples and not for others
+  (:func:`note_placed`, :func:`uneven_placed`).
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
         d = 0 if arg(args, kwargs, 1, "batch_first", False) else 1
         rows = torch.tensor([tr.single[t][0] for t in tensors], device=o.device)
         tr.rejoined += 1
-        return owned(d, rows, base.at(d), tr.batch)
+        return owned(d, rows, base.at(d), tr.batch, placed=True)
     if name in ("stack", "cat", "concat", "concatenate"):
         tensors = arg(args, kwargs, 0, "tensors")
         o = outs[0] if len(outs) == 1 else None
@@ -200,7 +203,7 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
             return MIXED
         rows = torch.tensor([tr.single[t][0] for t in tensors], device=o.device)
         tr.rejoined += 1
-        return owned(d, rows, base.at(d), tr.batch)
+        return owned(d, rows, base.at(d), tr.batch, placed=True)
     if len({b for b, _ in found}) != 1:
         return None  # (two examples combined)
     if len(laid) == 1 and len(outs) == 1:
@@ -208,7 +211,7 @@ def singles(tr: Tracker, name: str, args, kwargs, ins: list, outs: list) -> Layo
         if d is not None:  # (x[i].unsqueeze(0): that example as a batch of one)
             rows = torch.tensor(found[0][:1], device=outs[0].device)
             tr.rejoined += 1
-            return owned(d, rows, base.at(d), tr.batch)
+            return owned(d, rows, base.at(d), tr.batch, placed=True)
     for o in outs:
         tr.single[o] = found[0]
         if laid[0] in tr.alone:
@@ -463,3 +466,129 @@ def follow_row_indices(tr: Tracker, name: str, args, ins: list, outs: list) -> N
         for o in outs:
             if not o.is_floating_point():
                 tr.row_index[o] = True
+
+
+@dataclass
+class Placed:
+    """What rows picked by their place in the batch (:attr:`.layout.Owners.placed`) reached
+    at one hooked module, or at the model's outputs: ``where`` and ``shapes``, as a refusal
+    quotes them (those of its first such call); ``counts[b]``, in how many of its calls (or
+    of the outputs) example ``b``'s rows were."""
+
+    where: str
+    shapes: str
+    counts: list[int]
+
+
+def note_placed(tr: Tracker, key: Any, where: str, shapes: str, layouts) -> None:
+    """A hooked call (``key``: its module; ``where``, ``shapes``: as a refusal quotes them)
+    on tensors laid out as ``layouts``: count the examples whose rows picked by their place
+    in the batch it was given (see :func:`uneven_placed`)."""
+    found: set[int] = set()
+    for lay in layouts:
+        if lay is not None and lay.owners is not None and lay.owners.placed:
+            found.update(lay.owners.rows.unique().tolist())
+    if not found:
+        return
+    record = tr.placed.get(key)
+    if record is None:
+        record = tr.placed[key] = Placed(where, shapes, [0] * tr.batch)
+    for b in found:
+        record.counts[b] += 1
+
+
+# what reads a tensor's value into Python, where the forward's own code may branch on it
+READS_VALUE = frozenset({"__bool__", "item", "__int__", "__float__", "__index__", "tolist"})
+
+
+def note_decided(tr: Tracker, name: str, t: Tensor) -> None:
+    """A value read into Python from ``t`` by ``name`` (:data:`READS_VALUE`): where ``t`` holds one
+    example's values alone (its rows picked by their place in the batch, ``x[i : i + 1]``,
+    or taken out alone, ``x[i]``, and what was computed from those alone), that example is
+    one whose own values the forward may have decided on (:attr:`.Tracker.decided`; see
+    :func:`uneven_placed`)."""
+    lay = tr.layouts.get(t)
+    if lay is MIXED:
+        found = tr.single.get(t) if tr.single.entries else None
+        example = None if found is None else found[0]
+    else:
+        example = sole_owner((lay,)) if lay is not None and lay.owners is not None else None
+    if example is not None:
+        how = _READ_AS.get(name, name)
+        tr.decided.setdefault(int(example), f"{how} of a tensor of shape {tuple(t.shape)}")
+
+
+_READ_AS = {"__bool__": "bool() (an if)", "__int__": "int()", "__float__": "float()",
+            "__index__": "an index", "item": ".item()", "tolist": ".tolist()"}  # fmt: skip
+
+
+def uneven_placed(tr: Tracker, outputs: list, where: str) -> str | None:
+    """Why the forward cannot be split into examples, where rows picked by their place in the
+    batch reached a hooked module (:func:`note_placed`), or the model's outputs (``outputs``:
+    those with a gradient; ``where``: the model, as a refusal quotes it), for some examples
+    and not for others: ``lin(x[:2])``, ``lin(x[0:1].expand(B, -1))``, ``[head(x[i : i + 1])
+    for i in range(2)]``, ``lin(x)[:2]`` returned. A per-example loop runs the model on each
+    example alone, a batch of one, in which every example stands where the first does; in
+    the batch, what each example gets would depend on where it stands. A loop over every
+    example alike (``for i in range(len(x))``), splits or chunks each given the same layers,
+    reach every example, and are the loop's, also where a chunk cuts across an example's rows
+    (NeRF's ``batchify`` of every ray's points: that example in two calls, the others in one)
+    or an example's rows are repeated as many times as its own data says (Segment Anything's
+    decoder, once per prompt); so does a loop whose code
+    decides from each example's own values what to run on it (``a(xi) if xi.sum() > 0 else
+    b(xi)``), which the per-example loop decides alike: where the forward read into Python
+    values of every example alone (:attr:`.Tracker.decided`), what is uneven is taken as so
+    decided. Values of some examples alone read, and not of the others
+    (``h[:, : int(ids[0, 0])]``, ``torch.narrow(h, 1, 0, n)`` with ``n = ids[0].sum().item()``:
+    a bound, a size or a branch that one example's values decide for the whole batch, where
+    the per-example loop lets each decide its own), is refused too. ``None`` where nothing is
+    uneven."""
+    if len(tr.decided) == tr.batch:
+        return None
+    if tr.decided:
+        said = "; ".join(f"example {b}: {how}" for b, how in sorted(tr.decided.items())[:4])
+        return (
+            f"{where}: its forward read into Python values of some examples alone, and of no "
+            f"other ({said}), so a slice bound, a size or a branch taken from them decides "
+            "for the whole batch, where a per-example loop lets each example decide its own "
+            "(per-example gradients of this forward do not exist). Keep such a value a tensor "
+            "that each example's rows use (a mask of each example's own length, "
+            "torch.arange(T) < lengths[:, None]), read it from every example alike (a loop "
+            "over the whole batch), or read it outside the model."
+        )
+    if outputs:
+        note_placed(tr, None, where, ", ".join(str(tuple(t.shape)) for t in outputs),
+                    [tr.layout(t) for t in outputs])  # fmt: skip
+    for key, record in tr.placed.items():
+        if min(record.counts) > 0 or max(record.counts) == 0:
+            continue
+        by_count: dict[int, list[int]] = {}
+        for b, n in enumerate(record.counts):
+            by_count.setdefault(n, []).append(b)
+        said = "; ".join(
+            f"{_examples(bs)}: {n if n else 'no'} {'call' if n == 1 else 'calls'}"
+            if key is not None
+            else f"{_examples(bs)}: in {n if n else 'no'} {'output' if n == 1 else 'outputs'}"
+            for n, bs in sorted(by_count.items(), reverse=True)
+        )
+        what = "its input" if key is not None else "its output"
+        return (
+            f"{record.where}: {what} ({record.shapes}) holds rows picked from the batch by their "
+            "place in it (a slice or split of the batch, one example's rows expanded or given "
+            "their batch dimension back), and the forward gives such rows there for some "
+            f"examples and not for others ({said}). Per example, what the model "
+            "computes then depends on where the example stands in the batch: a per-example "
+            "loop runs the model on each example alone, where every example stands first, so "
+            "per-example gradients of this forward do not exist. Give every example the same "
+            "computation (a layer on the whole batch, or a loop over every example: for i in "
+            "range(len(x)): f(x[i : i + 1])), or compute what needs fixed positions outside "
+            "the model."
+        )
+    return None
+
+
+def _examples(bs: list[int]) -> str:
+    """``bs`` (example indices) as a refusal says them: ``example 0``, ``examples 1, 2, 3``,
+    the first eight and how many more."""
+    more = f" and {len(bs) - 8} more" if len(bs) > 8 else ""
+    return ("example " if len(bs) == 1 else "examples ") + ", ".join(map(str, bs[:8])) + more

@@ -62,6 +62,7 @@ from .ops.views import DECOMPOSED
 from .propagate import ListedJoin, propagate_op
 from .quick import NO_TENSOR, UNLAID, follow, quick_follow, quick_key, untainted
 from .read import READS_ROWS, note_read
+from .rows import READS_VALUE, Placed, note_decided, note_placed, uneven_placed
 from .sources import COPIES, SPREADS, Meeting, Source
 from .tensormap import TensorMap
 
@@ -203,6 +204,12 @@ class Tracker(TorchFunctionMode):
         # indices whose every entry is a position along the examples' dimension that each
         # example's own mask found, with that dimension's layout (see rows.follow_positions)
         self.positions: TensorMap = TensorMap()
+        # what rows picked by their place in the batch reached, per hooked module (see
+        # note_placed)
+        self.placed: dict[Any, Placed] = {}
+        # the examples whose own values, alone, the forward read into Python (an ``if`` on
+        # each one's rows), with the first such read, for messages (see rows.note_decided)
+        self.decided: dict[int, str] = {}
         # the floating-point dtype that rounds the most among the tensors computed from the
         # examples (a float64 model that takes its softmax in float32, as T5 does): the checks
         # of the backward judge by it (see gradhooks.engine.verify)
@@ -377,6 +384,20 @@ class Tracker(TorchFunctionMode):
             if self.layout(o) is not None:
                 self.lineage[o] = every
             self.would[o] = before | {key}
+
+    def note_placed(self, module: Any, where: str, shapes: str, layouts: Sequence) -> None:
+        """A hooked call of ``module`` (``where`` and ``shapes``: as a refusal quotes them) on
+        tensors laid out as ``layouts``: where some hold rows picked by their place in the
+        batch (``x[:2]``, ``x[i : i + 1]``), which examples they hold is counted, for
+        :meth:`uneven_placed`."""
+        note_placed(self, id(module), where, shapes, layouts)
+
+    def uneven_placed(self, outputs: list, where: str) -> str | None:
+        """At the end of the forward, given the model's outputs with a gradient (``where``: the
+        model, as a refusal quotes it): why it cannot be split into examples where rows
+        picked by their place in the batch reached a hooked module, or the outputs, for some
+        examples and not for others (:func:`~.rows.uneven_placed`), else ``None``."""
+        return uneven_placed(self, outputs, where)
 
     def carry(self, old: Tensor, new: Tensor) -> None:
         """``new`` replaces ``old``, a hooked call's output: its layout (or where its examples
@@ -580,6 +601,8 @@ class Tracker(TorchFunctionMode):
                 if out.__class__ in NO_TENSOR and not op.inplace:
                     if out.__class__ is float and self.layouts.get(tensors[0]) is MIXED:
                         note_read(self.read, out, name)  # (a statistic of the batch)
+                    if name in READS_VALUE:  # (if x[i : i + 1].sum() > 0: per example)
+                        note_decided(self, name, tensors[0])
                     return out  # (a size, a dtype, a flag: nothing to follow, see propagate)
                 if name in READS_ROWS and self.layouts.get(tensors[0]) is MIXED:
                     self.read_rows[id(out)] = (out, name)  # (held: its id stays its own)

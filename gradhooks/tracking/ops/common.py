@@ -122,12 +122,17 @@ _TRAILING_UNDERSCORE = re.compile(r"^[a-z][a-z0-9_]*_$")
 
 def named_inplace(name: str) -> bool:
     """Whether ``name`` is that of an in-place operation by torch's naming: a trailing
-    underscore (``add_``), Python's in-place operators (``__iadd__``), ``__setitem__``."""
+    underscore (``add_``), Python's in-place operators (``__iadd__``), ``__setitem__``. Not
+    the other methods of Python's whose names start so (``__int__``, ``__index__``: reads)."""
     return (
         name == "__setitem__"
         or bool(_TRAILING_UNDERSCORE.match(name))
-        or (name.startswith("__i") and name.endswith("__") and name not in ("__invert__",))
+        or (name.startswith("__i") and name.endswith("__") and name not in _NOT_INPLACE)
     )
+
+
+# Python's methods named as its in-place operators are (``__i...__``) that are none
+_NOT_INPLACE = frozenset({"__invert__", "__int__", "__index__", "__iter__", "__init__"})
 
 
 def op_name(func: Any) -> str:

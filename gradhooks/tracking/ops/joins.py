@@ -86,7 +86,8 @@ def _cat_rows(dim: int, parts: list[Tensor], lays: list[Layout], batch: int) -> 
         return MIXED
     rows = torch.cat([x.owners.rows for x in lays])
     bases = {x.owners.base for x in lays}
-    return owned(dim, rows, bases.pop() if len(bases) == 1 else None, batch)
+    placed = any(x.owners.placed for x in lays)
+    return owned(dim, rows, bases.pop() if len(bases) == 1 else None, batch, placed)
 
 
 for _n in ("cat", "concat", "concatenate"):

@@ -136,7 +136,8 @@ def reduction(args, kwargs, out, layout_of):
     if dims is None or lay.dim in dims:
         if dims is not None and keepdim and _one_examples_rows(lay):
             # (rows of one example alone reduced to one row: still that example's)
-            return Layout(lay.dim, owners=Owners(lay.owners.rows[:1], lay.owners.base))
+            rows = lay.owners.rows[:1]
+            return Layout(lay.dim, owners=Owners(rows, lay.owners.base, lay.owners.placed))
         return MIXED  # a reduction over the examples
     if keepdim:
         return lay

@@ -47,11 +47,11 @@ def _reshaped_rows(lay: Layout, before: Sequence[int], after: Sequence[int], bat
                 # tracker follows as such; [1, T, F] to [T, F] keeps its rows, each one a step)
                 return MIXED
             return owned(e, rows.repeat_interleave(times) if times > 1 else rows,
-                          lay.owners.base, batch)  # fmt: skip
+                          lay.owners.base, batch, lay.owners.placed)  # fmt: skip
         if post % inner == 0:
             runs = rows.view(after[e], post // inner)
             if bool((runs == runs[:, :1]).all()):  # (a value read: picked rows are data)
-                return owned(e, runs[:, 0], lay.owners.base, batch)
+                return owned(e, runs[:, 0], lay.owners.base, batch, lay.owners.placed)
     return MIXED
 
 
@@ -116,7 +116,7 @@ def _repeat_interleave(args, kwargs, out, layout_of, batch):
         return lay
     if lay.owners is not None:
         rows = lay.owners.rows.repeat_interleave(repeats)
-        return owned(lay.dim, rows, lay.owners.base, batch)
+        return owned(lay.dim, rows, lay.owners.base, batch, lay.owners.placed)
     return Layout(lay.dim, lay.outer, lay.inner * repeats)
 
 
@@ -135,7 +135,8 @@ def _expand(args, kwargs, out, layout_of, batch):
     if o.shape[d] == t.shape[lay.dim]:
         return lay.at(d)
     if lay.owners is not None and t.shape[lay.dim] == 1:
-        return owned(d, lay.owners.rows.expand(o.shape[d]), lay.owners.base, batch)
+        rows = lay.owners.rows.expand(o.shape[d])
+        return owned(d, rows, lay.owners.base, batch, lay.owners.placed)
     return UNKNOWN
 
 
