@@ -601,7 +601,10 @@ class Tracker(TorchFunctionMode):
                 if out.__class__ in NO_TENSOR and not op.inplace:
                     if out.__class__ is float and self.layouts.get(tensors[0]) is MIXED:
                         note_read(self.read, out, name)  # (a statistic of the batch)
-                    if name in READS_VALUE:  # (if x[i : i + 1].sum() > 0: per example)
+                    # (if x[i : i + 1].sum() > 0: per example; not inside a module without
+                    # a rule, whose call the fallback recomputes one example at a time, each
+                    # reading its own, and checks against the call's output)
+                    if name in READS_VALUE and not (self.used and self.used[-1].soft):
                         note_decided(self, name, tensors[0])
                     return out  # (a size, a dtype, a flag: nothing to follow, see propagate)
                 if name in READS_ROWS and self.layouts.get(tensors[0]) is MIXED:
