@@ -48,7 +48,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_idioms_eighteenth import clipped, norms_of
-from test_idioms_twentyeighth import BF16, Net, assert_step, batch, ce, loop, near
+from test_idioms_twentyeighth import BF16, Net, assert_step, batch, ce, loop, near, train
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
@@ -177,15 +177,8 @@ def test_a_layer_called_twice_in_a_checkpointed_block_of_two_outputs(early_stop)
     early stopping); ``grad1`` of the shared layer holds each example's gradient through both
     calls, at every step."""
     model = Twice()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with set_checkpoint_early_stop(early_stop), gradhooks.add_hooks(model):
-        for step in range(3):
-            x, y = batch(step)
-            want = loop(model, x, y)
-            opt.zero_grad()
-            ce(model(x), y).backward()
-            assert_step(model, want, f"step {step}")
-            opt.step()
+    with set_checkpoint_early_stop(early_stop):
+        train(model, 3)
 
 
 def test_a_checkpoint_in_debug_mode_without_its_determinism_check():
@@ -193,15 +186,7 @@ def test_a_checkpoint_in_debug_mode_without_its_determinism_check():
     (torch's checks of the recomputation traced and then skipped): ``grad1`` at every step is
     each example's own gradient."""
     model = Deep("debug")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradhooks.add_hooks(model):
-        for step in range(3):
-            x, y = batch(step)
-            want = loop(model, x, y)
-            opt.zero_grad()
-            ce(model(x), y).backward()
-            assert_step(model, want, f"step {step}")
-            opt.step()
+    train(model, 3)
 
 
 class Gated(Net):
@@ -708,12 +693,4 @@ def test_torch_cond_in_a_hooked_forward(inside):
             return self.head(h)
 
     model = Branching()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradhooks.add_hooks(model):
-        for step in range(3):
-            x, y = batch(step)
-            want = loop(model, x, y)
-            opt.zero_grad()
-            ce(model(x), y).backward()
-            assert_step(model, want, f"step {step}")
-            opt.step()
+    train(model, 3)
