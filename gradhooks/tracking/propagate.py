@@ -317,7 +317,7 @@ def propagate_op(tr: Tracker, op: OpFacts, args, kwargs, out, ins: list | None =
         if lay.dim >= 0 and (o.dim() <= lay.dim or o.shape[lay.dim] != lay.size(tr.batch)):
             lay = UNKNOWN  # (a handler's guess that the shapes contradict)
         tr.layouts[o] = lay
-    if PACKED in result:
+    if any(lay is PACKED for lay in result):
         note_packed_data(tr, name, args, ins, outs)
     if resolved:
         meet_after(tr, name, args, kwargs, out)
