@@ -55,7 +55,7 @@ from .workflows.clipping import AdaptiveClipping
 from .workflows.convert import convert_batch_norm
 from .workflows.dp import ClippedSum, clip_factors, clipped_sum, dp_sgd_step
 from .workflows.jacobian import jacobians
-from .workflows.kfac import KFactors, KFactorsInverse, kfac, kfac_precondition
+from .workflows.kfac import KFactors, KFactorsInverse, ekfac_eigenvalues, kfac, kfac_precondition
 from .workflows.kfac_optimizer import KFAC
 from .workflows.private import DPOptimizer, PrivateTraining, make_private
 
@@ -111,6 +111,7 @@ __all__ = [
     "KFactors",
     "KFactorsInverse",
     "kfac_precondition",
+    "ekfac_eigenvalues",
     "KFAC",
     "jacobians",
     "distributed",

@@ -10,7 +10,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -82,10 +82,15 @@ class KFactors:
                 f"KFactors: layout must be 'out_in' or 'in_out', got {self.layout!r}"
             )
 
-    def inverse(self, damping: float) -> KFactorsInverse:
+    def inverse(self, damping: float, eigenvalues: Tensor | None = None) -> KFactorsInverse:
         """``(kron(G, A) + damping·I)⁻¹``, ready to apply to gradients (eigendecompositions of
         ``A`` and ``G``, computed here once). ``damping > 0``, added to the Kronecker product
-        itself."""
+        itself.
+
+        ``eigenvalues``: the eigenvalue-corrected K-FAC (EK-FAC, George et al. 2018) in place
+        of K-FAC: ``[*groups, out, in(+1)]``, the curvature's diagonal in the Kronecker
+        eigenbasis (:func:`gradhooks.ekfac_eigenvalues`), used instead of ``λ_G λ_Aᵀ``:
+        ``(Q_G ⊗ Q_A) (diag(eigenvalues) + damping·I)⁻¹ (Q_G ⊗ Q_A)ᵀ``."""
         require_number("damping", damping)
         if not 0 < damping < math.inf:  # (inf: every gradient preconditioned to 0)
             raise ConfigurationError(
@@ -96,8 +101,37 @@ class KFactors:
         eig_g, q_g = symmetric_eigh(self.G)
         # (G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) (Λ_G ⊗ Λ_A + λI)⁻¹ (Q_G ⊗ Q_A)ᵀ; rounding can leave a
         # PSD factor's eigenvalues slightly negative: clamped
-        scale = 1 / (eig_g.clamp(min=0)[..., :, None] * eig_a.clamp(min=0)[..., None, :] + damping)
+        if eigenvalues is None:
+            diagonal = eig_g.clamp(min=0)[..., :, None] * eig_a.clamp(min=0)[..., None, :]
+        else:
+            diagonal = self._corrected(eigenvalues, eig_g, eig_a)
+        scale = 1 / (diagonal + damping)
         return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping, self.layout)
+
+    def eigenbasis(self) -> tuple[Tensor, Tensor]:
+        """``(Q_G, Q_A)``: the eigenvectors of ``G`` and ``A`` (columns), as :meth:`inverse`
+        takes them, in which :func:`gradhooks.ekfac_eigenvalues` measures the curvature."""
+        return symmetric_eigh(self.G)[1], symmetric_eigh(self.A)[1]
+
+    def _corrected(self, eigenvalues: Any, eig_g: Tensor, eig_a: Tensor) -> Tensor:
+        shape = (*eig_g.shape, eig_a.shape[-1])
+        if not isinstance(eigenvalues, Tensor):
+            raise ConfigurationTypeError(
+                f"KFactors.inverse: eigenvalues must be a tensor {shape} (ekfac_eigenvalues), "
+                f"got {type(eigenvalues).__qualname__}"
+            )
+        if tuple(eigenvalues.shape) != shape:
+            raise ConfigurationError(
+                f"KFactors.inverse: eigenvalues of shape {tuple(eigenvalues.shape)} given to "
+                f"factors of a {shape} weight matrix ([*groups, out, in"
+                f"{' + 1 (bias column)' if self.bias else ''}]): eigenvalues of other factors"
+            )
+        if not bool(torch.isfinite(eigenvalues).all()) or bool((eigenvalues < 0).any()):
+            raise ConfigurationError(
+                "KFactors.inverse: eigenvalues must be finite and >= 0 (squares' means), got "
+                f"values from {eigenvalues.min().item():g} to {eigenvalues.max().item():g}"
+            )
+        return eigenvalues.to(eig_g.dtype)
 
 
 def symmetric_eigh(m: Tensor) -> tuple[Tensor, Tensor]:

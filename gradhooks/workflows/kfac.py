@@ -44,6 +44,7 @@ gradient, ``(kron(G, A) + damping·I)⁻¹ vec(grad)``, exactly (not the factore
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -73,7 +74,10 @@ from ..quantities.kfac import (
 from ..tuning import TUNING
 from .jacobian import Inputs, checked_output, hooked_forward, model_inputs, recording
 
-__all__ = ["KFactors", "KFactorsInverse", "KfacAccumulator", "kfac", "kfac_precondition"]
+__all__ = [
+    "KFactors", "KFactorsInverse", "KfacAccumulator", "ekfac_eigenvalues", "kfac",
+    "kfac_precondition",
+]  # fmt: skip
 
 
 Fisher = Literal["mc", "exact", "empirical"]
@@ -297,14 +301,158 @@ def kfac_precondition(
                 f"does not fit the parameters ({shapes}): factors of another model, or a "
                 "layer whose weight is not [out, in, ...]"
             )
-        grad = weight_matrix(weight.grad, tuple(groups), rows, f.layout)
-        if bias is not None:
-            grad = torch.cat([grad, bias.grad.reshape(*groups, rows, 1)], -1)
+        grad = _matrix(f, weight.grad, None if bias is None else bias.grad)
         done.append((weight, bias, f.apply(grad), width, f.layout))
     for weight, bias, natural, width, layout in done:  # (written once every weight is checked)
         weight.grad.copy_(weight_from_matrix(natural[..., :width], weight.shape, layout))
         if bias is not None:
             bias.grad.copy_(natural[..., width].reshape(bias.shape))
+
+
+def _matrix(f: KFactors | KFactorsInverse, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """A weight's gradient as the matrix ``[*groups, out, in(+1)]`` of its factors, the bias's
+    appended as a column (see :class:`KFactors`)."""
+    g = f.G if isinstance(f, KFactors) else f.Q_G
+    groups, rows = tuple(g.shape[:-2]), g.shape[-1]
+    m = weight_matrix(weight, groups, rows, f.layout)
+    if bias is not None:
+        m = torch.cat([m, bias.reshape(*groups, rows, 1).to(m.dtype)], -1)
+    return m
+
+
+def ekfac_eigenvalues(
+    model: nn.Module,
+    factors: Mapping[str, KFactors],
+    reduction: Literal["mean", "sum"] = "mean",
+) -> dict[str, Tensor]:
+    """The eigenvalue-corrected K-FAC (EK-FAC; George et al. 2018, "Fast approximate natural
+    gradient descent in a Kronecker-factored eigenbasis"): for every weight in ``factors``, the
+    diagonal of the per-example gradients' second moment in the eigenbasis of its K-FAC
+    factors, from the ``grad1`` of the last backward.
+
+    With ``Q_G``, ``Q_A`` the eigenvectors of ``G`` and ``A`` (:meth:`KFactors.eigenbasis`) and
+    ``M_b`` example ``b``'s gradient of the weight as a matrix ``[*groups, out, in(+1)]`` (its
+    bias's as the last column where the factors are bias-augmented), the eigenvalues are
+    ``Σ_b (Q_Gᵀ M_b Q_A)² / batch`` (``reduction="mean"``; ``"sum"`` keeps the sum), entry by
+    entry: the diagonal of ``(Q_G ⊗ Q_A)ᵀ (Σ_b vec(M_b) vec(M_b)ᵀ / batch) (Q_G ⊗ Q_A)``, where
+    K-FAC takes ``λ_G λ_Aᵀ``. They are as exact as the curvature ``grad1`` samples: the Fisher
+    for ``grad1`` of labels drawn from the model's predictions, the empirical Fisher for those of
+    the true labels. ``grad1[b]`` is example ``b``'s own gradient, whatever the loss's reduction,
+    and for a sequence the sum over its positions: each example's gradient is one sample
+    (K-FAC's ``expand`` counts positions as samples in its factors; the eigenbasis is theirs).
+
+    Args:
+        model: the hooked model, after a backward that wrote ``grad1`` (``add_hooks(model)``)
+            for every weight in ``factors`` and its bias.
+        factors: ``{weight name: KFactors}`` (:func:`kfac`, :meth:`Hooks.kfac_factors`).
+        reduction: ``"mean"`` (over the batch; as :func:`kfac`'s default) or ``"sum"``.
+
+    Returns:
+        ``{weight name: eigenvalues}``, each ``[*groups, out, in(+1)]`` in the factors' dtype,
+        for ``factors[name].inverse(damping, eigenvalues=...)``, which preconditions by
+        ``(Q_G ⊗ Q_A)(diag(eigenvalues) + damping·I)⁻¹(Q_G ⊗ Q_A)ᵀ`` (:func:`kfac_precondition`
+        takes the inverses).
+
+    Example::
+
+        >>> import torch, gradhooks
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(3, (16,))
+        >>> factors = gradhooks.kfac(net, x, fisher="mc")
+        >>> with gradhooks.add_hooks(net):
+        ...     torch.nn.functional.cross_entropy(net(x), y).backward()
+        ...     eigenvalues = gradhooks.ekfac_eigenvalues(net, factors)
+        >>> eigenvalues["2.weight"].shape  # [out, in + 1]: the bias column
+        torch.Size([3, 9])
+        >>> inverses = {n: f.inverse(1e-3, eigenvalues=eigenvalues[n]) for n, f in factors.items()}
+        >>> gradhooks.kfac_precondition(net, inverses)  # then optimizer.step()
+    """
+    _check_model(model, "ekfac_eigenvalues")
+    if not isinstance(factors, Mapping):
+        raise ConfigurationTypeError(
+            f"ekfac_eigenvalues: factors must be {{weight name: KFactors}} (gradhooks.kfac, "
+            f"h.kfac_factors()), got {type(factors).__qualname__}"
+        )
+    if reduction not in ("mean", "sum"):
+        raise ConfigurationError(
+            f"ekfac_eigenvalues: reduction must be 'mean' or 'sum', got {reduction!r}"
+        )
+    params = dict(model.named_parameters())
+    found = []
+    for name, f in factors.items():
+        if not isinstance(f, KFactors):
+            raise ConfigurationTypeError(
+                f"ekfac_eigenvalues: the factors of '{name}' must be KFactors (not inverted: "
+                f"the eigenvalues replace the inverse's), got {type(f).__qualname__}"
+            )
+        weight = _with_grad1(params, name, name)
+        bias = _with_grad1(params, f.bias_name, name) if f.bias else None
+        if f.bias and bias is None:
+            raise ConfigurationError(
+                f"ekfac_eigenvalues: the factors of '{name}' cover a bias column but name no "
+                "bias parameter: give KFactors(..., bias_name=...), or factors from "
+                "kfac(..., bias=False)"
+            )
+        g1w = weight.grad1
+        g1b = None if bias is None else bias.grad1
+        groups, rows, cols = f.G.shape[:-2], f.G.shape[-1], f.A.shape[-1]
+        if (
+            g1w.shape[1:] != weight.shape
+            or math.prod(weight.shape) != math.prod(groups) * rows * (cols - f.bias)
+            or (g1b is not None and (g1b.shape[0] != g1w.shape[0] or g1b.shape[1:] != bias.shape))
+            or (bias is not None and bias.numel() != math.prod(groups) * rows)
+        ):
+            shapes = f"weight {tuple(weight.shape)}, grad1 {tuple(g1w.shape)}" + (
+                f", bias {tuple(bias.shape)}, its grad1 {tuple(g1b.shape)}"
+                if bias is not None and g1b is not None
+                else ""
+            )
+            raise ConfigurationError(
+                f"ekfac_eigenvalues: the factors of '{name}' are of a {(*groups, rows, cols)} "
+                f"weight matrix ([*groups, out, in{' + 1 (bias)' if f.bias else ''}]), which "
+                f"does not fit the parameters ({shapes}): factors of another model, or grad1 "
+                "of a backward whose batches differ"
+            )
+        found.append((name, f, g1w, g1b))
+    out = {}
+    for name, f, g1w, g1b in found:
+        q_g, q_a = f.eigenbasis()
+        batch = g1w.shape[0]
+        if batch == 0:
+            raise ConfigurationError(
+                f"ekfac_eigenvalues: grad1 of '{name}' holds no example "
+                f"{tuple(g1w.shape)}: give a backward of at least one"
+            )
+        dtype = f.G.dtype
+        per_example = (
+            torch.vmap(functools.partial(_matrix, f))(g1w.to(dtype), g1b.to(dtype))
+            if g1b is not None
+            else torch.vmap(functools.partial(_matrix, f, bias=None))(g1w.to(dtype))
+        )
+        rotated = q_g.mT @ per_example @ q_a  # [batch, *groups, out, in(+1)]
+        eigenvalues = rotated.square().sum(0)
+        out[name] = eigenvalues / batch if reduction == "mean" else eigenvalues
+    return out
+
+
+def _with_grad1(params: dict[str, nn.Parameter], name: str | None, of: str) -> Tensor | None:
+    """The parameter ``name`` (of the factors of ``of``); it must have a ``grad1``."""
+    if name is None:
+        return None
+    p = params.get(name)
+    if p is None:
+        raise ConfigurationError(
+            f"ekfac_eigenvalues: the factors of '{of}' refer to a parameter '{name}' that the "
+            "model does not have: factors of another model (a DistributedDataParallel "
+            "wrapper's names start with 'module.')"
+        )
+    g1 = getattr(p, "grad1", None)
+    if not isinstance(g1, Tensor):
+        raise ConfigurationError(
+            f"ekfac_eigenvalues: '{name}' (shape {tuple(p.shape)}) has no grad1: run a backward "
+            "under gradhooks.add_hooks(model) (quantities with 'grad1', the default) first"
+        )
+    return p
 
 
 def _with_grad(params: dict[str, nn.Parameter], name: str | None, of: str) -> Tensor | None:
