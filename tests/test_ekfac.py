@@ -278,3 +278,55 @@ def test_refusals_name_the_parameter_and_shapes():
         f.inverse(1e-3, eigenvalues=-torch.ones(4, 7, dtype=torch.float64))
     with pytest.raises(gradhooks.ConfigurationTypeError, match="tensor"):
         f.inverse(1e-3, eigenvalues=[[1.0]])
+
+
+def test_a_stack_of_gradients_is_preconditioned_example_by_example():
+    """``KFactorsInverse.apply`` and ``KFactors.matrix`` on each example's gradients at once
+    (``grad1``: influence scores) give what they give on each example alone, for every layout
+    (a grouped convolution, a transposed one, a Linear)."""
+    model, x, y = _case("convs")
+    factors = gradhooks.kfac(model, x, y, fisher="empirical")
+    ref = _loop(model, x, y)
+    for n, f in factors.items():
+        inverse = f.inverse(1e-2)
+        stacked = f.matrix(ref[n], ref[f.bias_name], batch_dims=1)
+        alone = [f.matrix(ref[n][b], ref[f.bias_name][b]) for b in range(x.shape[0])]
+        torch.testing.assert_close(stacked, torch.stack(alone), rtol=0, atol=0)
+        torch.testing.assert_close(
+            inverse.apply(stacked), torch.stack([inverse.apply(m) for m in alone])
+        )
+        with pytest.raises(gradhooks.ConfigurationError, match="bias"):
+            f.matrix(ref[n], None, batch_dims=1)
+
+
+def test_ekfac_influence_scores_are_the_explicit_inverse_products():
+    """Influence scores of training examples on test examples through the EK-FAC curvature,
+    ``g_testᵀ (C + λI)⁻¹ g_train`` summed over the weights, with ``C`` the EK-FAC matrix
+    ``(Q_G ⊗ Q_A) diag(eigenvalues) (Q_G ⊗ Q_A)ᵀ`` formed explicitly from the loop's gradients."""
+    model, x, y = _case("mlp", seed=2)
+    damping = 1e-2
+    factors = gradhooks.kfac(model, x, fisher="mc", generator=torch.Generator().manual_seed(0))
+    train, test = slice(0, 4), slice(4, 6)
+    with gradhooks.add_hooks(model):
+        F.cross_entropy(model(x[train]), y[train]).backward()
+        eig = gradhooks.ekfac_eigenvalues(model, factors)
+        p = dict(model.named_parameters())
+        g_train = {n: f.matrix(p[n].grad1, p[f.bias_name].grad1, 1) for n, f in factors.items()}
+        model.zero_grad()
+        F.cross_entropy(model(x[test]), y[test]).backward()
+        g_test = {n: f.matrix(p[n].grad1, p[f.bias_name].grad1, 1) for n, f in factors.items()}
+    scores = sum(
+        torch.einsum("toi,roi->tr", f.inverse(damping, eigenvalues=eig[n]).apply(g_test[n]),
+                     g_train[n])
+        for n, f in factors.items()
+    )  # fmt: skip
+    ref = _loop(model, x, y)
+    want = torch.zeros(2, 4, dtype=torch.float64)
+    for n, f in factors.items():
+        ms = _matrices(f, ref[n], ref[f.bias_name])
+        e = _reference(f, ref[n][train], ref[f.bias_name][train])
+        q_g, q_a = (torch.linalg.eigh(m)[1] for m in (f.G, f.A))
+        basis = torch.kron(q_g, q_a)
+        matrix = basis @ torch.diag(e.flatten() + damping) @ basis.T
+        want += torch.linalg.solve(matrix, ms[test].flatten(1).T).T @ ms[train].flatten(1).T
+    torch.testing.assert_close(scores, want)

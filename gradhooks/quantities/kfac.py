@@ -108,6 +108,13 @@ class KFactors:
         scale = 1 / (diagonal + damping)
         return KFactorsInverse(q_a, q_g, scale, self.bias, self.bias_name, damping, self.layout)
 
+    def matrix(self, weight: Tensor, bias: Tensor | None = None, batch_dims: int = 0) -> Tensor:
+        """A gradient of the weight (and of its bias, where the factors are bias-augmented) as
+        the matrix ``[*groups, out, in(+1)]`` the factors are of, the bias's as the last
+        column; with ``batch_dims`` leading dimensions kept (``grad1``: 1), ``[*batch, *groups,
+        out, in(+1)]``."""
+        return factors_matrix(self, weight, bias, batch_dims)
+
     def eigenbasis(self) -> tuple[Tensor, Tensor]:
         """``(Q_G, Q_A)``: the eigenvectors of ``G`` and ``A`` (columns), as :meth:`inverse`
         takes them, in which :func:`gradhooks.ekfac_eigenvalues` measures the curvature."""
@@ -162,16 +169,24 @@ class KFactorsInverse:
     damping: float
     layout: str = "out_in"
 
+    def matrix(self, weight: Tensor, bias: Tensor | None = None, batch_dims: int = 0) -> Tensor:
+        """A gradient of the weight (and of its bias, where the factors are bias-augmented) as
+        the matrix ``[*groups, out, in(+1)]`` the factors are of, the bias's as the last
+        column; with ``batch_dims`` leading dimensions kept (``grad1``: 1), ``[*batch, *groups,
+        out, in(+1)]``."""
+        return factors_matrix(self, weight, bias, batch_dims)
+
     def apply(self, grad: Tensor) -> Tensor:
         """``(kron(G, A) + damping·I)⁻¹ vec(grad)``, shaped as ``grad``: the weight's gradient
         as a matrix ``[*groups, out, in(+1)]`` (bias column appended when ``bias``; see
-        :class:`KFactors`)."""
+        :class:`KFactors`), or a stack of them, ``[..., *groups, out, in(+1)]`` (each example's
+        gradient, for influence scores), each preconditioned alone."""
         if not isinstance(grad, Tensor):
             raise ConfigurationTypeError(
                 f"K-FAC: apply takes the weight's gradient as a tensor [*groups, out, in], got "
                 f"{type(grad).__qualname__}"
             )
-        if grad.shape != self.scale.shape:
+        if grad.shape[grad.dim() - self.scale.dim() :] != self.scale.shape:
             raise ConfigurationError(
                 f"K-FAC: a gradient of shape {tuple(grad.shape)} given to factors of a "
                 f"{tuple(self.scale.shape)} weight matrix ([*groups, out, in"
@@ -181,6 +196,30 @@ class KFactorsInverse:
             )
         rotated = self.Q_G.mT @ grad.to(self.scale.dtype) @ self.Q_A
         return (self.Q_G @ (rotated * self.scale) @ self.Q_A.mT).to(grad.dtype)
+
+
+def factors_matrix(
+    f: KFactors | KFactorsInverse, weight: Tensor, bias: Tensor | None, batch_dims: int = 0
+) -> Tensor:
+    """:meth:`KFactors.matrix`: ``weight`` (``[*batch, *shape]``) as ``[*batch, *groups, out,
+    in]``, ``bias`` (``[*batch, *bias_shape]``) appended as a column where given."""
+    g = f.G if isinstance(f, KFactors) else f.Q_G
+    groups, rows = tuple(g.shape[:-2]), g.shape[-1]
+    if f.bias and bias is None:
+        raise ConfigurationError(
+            f"K-FAC: the factors cover a bias column ({f.bias_name!r}): give its gradient too"
+        )
+    batch = tuple(weight.shape[:batch_dims])
+    flat = weight.reshape(-1, *weight.shape[batch_dims:]) if batch_dims else weight[None]
+    if f.layout == "out_in":
+        m = flat.reshape(flat.shape[0], *groups, rows, -1)
+    else:
+        kernel = math.prod(flat.shape[3:])  # (weight_matrix's "in_out", example by example)
+        swapped = flat.reshape(flat.shape[0], math.prod(groups), -1, rows, kernel).transpose(2, 3)
+        m = swapped.reshape(flat.shape[0], *groups, rows, -1)
+    if f.bias:
+        m = torch.cat([m, bias.reshape(flat.shape[0], *groups, rows, 1).to(m.dtype)], -1)
+    return m.reshape(*batch, *m.shape[1:])
 
 
 def weight_matrix(t: Tensor, groups: tuple[int, ...], rows: int, layout: str) -> Tensor:

@@ -44,7 +44,6 @@ gradient, ``(kron(G, A) + damping·I)⁻¹ vec(grad)``, exactly (not the factore
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -69,7 +68,6 @@ from ..quantities.kfac import (
     KFactorsInverse,
     symmetric_eigh,
     weight_from_matrix,
-    weight_matrix,
 )
 from ..tuning import TUNING
 from .jacobian import Inputs, checked_output, hooked_forward, model_inputs, recording
@@ -301,23 +299,12 @@ def kfac_precondition(
                 f"does not fit the parameters ({shapes}): factors of another model, or a "
                 "layer whose weight is not [out, in, ...]"
             )
-        grad = _matrix(f, weight.grad, None if bias is None else bias.grad)
+        grad = f.matrix(weight.grad, None if bias is None else bias.grad)
         done.append((weight, bias, f.apply(grad), width, f.layout))
     for weight, bias, natural, width, layout in done:  # (written once every weight is checked)
         weight.grad.copy_(weight_from_matrix(natural[..., :width], weight.shape, layout))
         if bias is not None:
             bias.grad.copy_(natural[..., width].reshape(bias.shape))
-
-
-def _matrix(f: KFactors | KFactorsInverse, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """A weight's gradient as the matrix ``[*groups, out, in(+1)]`` of its factors, the bias's
-    appended as a column (see :class:`KFactors`)."""
-    g = f.G if isinstance(f, KFactors) else f.Q_G
-    groups, rows = tuple(g.shape[:-2]), g.shape[-1]
-    m = weight_matrix(weight, groups, rows, f.layout)
-    if bias is not None:
-        m = torch.cat([m, bias.reshape(*groups, rows, 1).to(m.dtype)], -1)
-    return m
 
 
 def ekfac_eigenvalues(
@@ -424,11 +411,7 @@ def ekfac_eigenvalues(
                 f"{tuple(g1w.shape)}: give a backward of at least one"
             )
         dtype = f.G.dtype
-        per_example = (
-            torch.vmap(functools.partial(_matrix, f))(g1w.to(dtype), g1b.to(dtype))
-            if g1b is not None
-            else torch.vmap(functools.partial(_matrix, f, bias=None))(g1w.to(dtype))
-        )
+        per_example = f.matrix(g1w.to(dtype), None if g1b is None else g1b.to(dtype), 1)
         rotated = q_g.mT @ per_example @ q_a  # [batch, *groups, out, in(+1)]
         eigenvalues = rotated.square().sum(0)
         out[name] = eigenvalues / batch if reduction == "mean" else eigenvalues
