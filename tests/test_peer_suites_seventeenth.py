@@ -14,8 +14,10 @@ gradient and :mod:`gradhooks.oracle`). The first sixteen sets are :mod:`test_pee
   (the classes are the flattened feature map's 72 or 84 entries): ``grad1``, its mean against
   ``.grad``, the squared sums, the per-parameter norms and the variance against the loop
   (``test_batch_gradients``, ``..._sum_to_grad``, ``test_sgs``, ``test_batch_l2``,
-  ``test_variance``); the GGN's products with 10 random columns (``test_ggn_mp``) from the
-  per-example Jacobians; its BatchNorm problems, refused in training and the loop's in eval;
+  ``test_variance``), also in a float32 model under bfloat16 autocast; the GGN's products
+  with 10 random columns (``test_ggn_mp``) from the per-example Jacobians; each parameter's
+  GGN block (``test_diag_ggn``) from autograd-hacks' ``backprop_hess`` / ``compute_hess``;
+  its BatchNorm problems, refused in training (``grad1``, Jacobians) and the loop's in eval;
 - BackPACK (``test/automated_kfac_test.py``, ``test/test_problems_kfacs.py``): for one datum,
   ``kron(G, A)`` of ``fisher="exact"`` is each Linear's GGN block
   (``test_kflr_should_equal_ggn``), and the average of many sampled factors approaches it
@@ -37,7 +39,12 @@ gradient and :mod:`gradhooks.oracle`). The first sixteen sets are :mod:`test_pee
   Opacus' ``DPRNN`` / ``DPGRU`` / ``DPLSTM`` without bias, from an initial state) under its
   criterion, ``F.cross_entropy`` against soft ``randn`` targets over dimension 1, batch-first
   and time-major (the classes then taken over time), against the loop, the layer's parameters
-  left as they were;
+  left as they were, and the DP step (half the examples clipped) by every method against the
+  loop's clipped mean, and against Opacus' own ``grad_sample`` where it takes the layer;
+- Opacus (``opacus/tests/multigpu_precision_test.py``, ``mixed_precision_utils.py``): the
+  dtypes of mixed precision (float32 parameters, gradients and norms, bfloat16 outputs) and of
+  low precision (all bfloat16) in the DP step, whose values are the float64 loop's within
+  bfloat16's rounding;
 - Opacus (``opacus/tests/validators/batch_norm_test.py``): ``BatchNorm1d/2d/3d`` and
   ``SyncBatchNorm`` refused in training, the model untouched, and after
   :func:`gradhooks.convert_batch_norm` (Opacus' fixer: a ``GroupNorm``) the loop's;
@@ -244,6 +251,30 @@ def test_backpack_automated_ggn_matrix_product(name):
     columns = torch.randn(want.shape[0], 10, dtype=D)
     assert_close(ggn @ columns, want @ columns, f"{name}: GGN times 10 columns")
     assert_close(ggn @ columns[:, 0], want @ columns[:, 0], f"{name}: GGN times a vector")
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_backpack_automated_diag_ggn_blocks(name):
+    """automated_test.py ``test_diag_ggn`` on every problem (sigmoid and tanh too, where the
+    GGN is not the Hessian): autograd-hacks' ``backprop_hess`` / ``compute_hess``
+    (:func:`gradhooks.compute_hess`), whose ``param.hess`` is the parameter's whole GGN block of
+    the mean loss, against the block of ``Jᵀ H J`` (its diagonal BackPACK's ``DiagGGNExact``);
+    ``"LeastSquares"`` is half the squared error, so ``MSELoss``'s block is twice it."""
+    p = backpack_problem(name)
+    want = ggn_reference(p)
+    regression = p.loss is F.mse_loss
+    with gradhooks.add_hooks(p.model):
+        out = p.model(p.x)
+        gradhooks.backprop_hess(out, hess_type="LeastSquares" if regression else "CrossEntropy")
+        gradhooks.compute_hess(p.model)
+    start = 0
+    for n, param in p.model.named_parameters():
+        end = start + param.numel()
+        block = want[start:end, start:end]
+        assert_close(param.hess * (2 if regression else 1), block, f"{name}: GGN block of {n}")
+        assert_close(param.hess.diagonal() * (2 if regression else 1), block.diagonal(),
+                     f"{name}: diagonal GGN of {n}")  # fmt: skip
+        start = end
 
 
 BN_PROBLEMS = ["regression", "classification", "2layer"]
@@ -742,6 +773,85 @@ def test_opacus_batch_norm_validator(name):
     with gradhooks.add_hooks(model, loss_reduction="sum"):
         sum_of_squares(model(x)).backward()
     assert_grad1(model, want, f"{name} converted")
+
+
+# == Opacus: multigpu_precision_test.py, mixed_precision_utils.py ===============================
+
+
+class SimpleLinearReluModel(nn.Module):
+    """``mixed_precision_utils.py``'s model: Linear-LayerNorm-ReLU-Linear (4 -> 32 -> 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln1, self.fc2 = nn.Linear(4, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.ln1(self.fc1(x))))
+
+
+class EmbeddingModel(nn.Module):
+    """``mixed_precision_utils.py``'s ``EmbeddingModel``: an Embedding of 100 rows, LayerNorm,
+    the mean over the 10 tokens, ReLU, a Linear to 4 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.layer_norm = nn.Embedding(100, 16), nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.layer_norm(self.embedding(x)).mean(1)))
+
+
+def clipped_mean(per: dict[str, Tensor], bound: float) -> dict[str, Tensor]:
+    norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+    factors = (bound / norms).clamp(max=1.0)
+    return {n: torch.einsum("b,b...->...", factors, g) / len(norms) for n, g in per.items()}
+
+
+@pytest.mark.parametrize("method", ["grad1", "ghost"])
+@pytest.mark.parametrize("precision", ["mixed", "low"])
+@pytest.mark.parametrize("model_class", [SimpleLinearReluModel, EmbeddingModel])
+def test_opacus_precision_dtypes(model_class, precision, method):
+    """multigpu_precision_test.py ``run_mixed_precision_test`` and ``run_low_precision_test``
+    (one process here, its batches of 2, ``hooks`` and ``ghost`` modes as gradhooks' methods):
+    mixed precision (a float32 model under bfloat16 autocast) gives bfloat16 outputs and
+    float32 ``.grad``, ``grad1`` and norms; low precision (the model in bfloat16) gives bfloat16
+    outputs, ``.grad`` and ``grad1``. The step (bound 1, no noise) is the float64 loop's
+    clipped mean within bfloat16's rounding (5e-2 of the largest entry; the norms 5e-2
+    relative)."""
+    torch.manual_seed(0)
+    model = model_class()
+    if model_class is EmbeddingModel:
+        x = torch.randint(100, (2, 10))
+    else:
+        x = torch.randn(2, 4)
+    y = torch.randint(4, (2,))
+    reference = copy.deepcopy(model).double()
+    want = loop_grad(reference, F.cross_entropy, x.double() if x.is_floating_point() else x, y)
+    norms_want = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
+    step_want = clipped_mean(want, 1.0)
+
+    low = precision == "low"
+    dtype = torch.bfloat16 if low else torch.float32
+    if low:
+        model = model.to(torch.bfloat16)
+        x = x.bfloat16() if x.is_floating_point() else x
+    quantities = ("grad1",) if method == "grad1" else ("norms",)
+    with gradhooks.add_hooks(model, quantities=quantities) as h:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not low):
+            out = model(x)
+        assert out.dtype == torch.bfloat16
+        losses = F.cross_entropy(out, y, reduction="none")
+        norms = gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0, method=method)
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms.double(), norms_want, rtol=5e-2, atol=1e-3)
+    scale = max(g.abs().max() for g in step_want.values())
+    for n, p in model.named_parameters():
+        assert p.dtype == dtype and p.grad.dtype == dtype, n
+        if method == "grad1":
+            assert p.grad1.dtype == dtype, n
+        torch.testing.assert_close(p.grad.double() / scale, step_want[n] / scale, rtol=0,
+                                   atol=5e-2, msg=lambda m, n=n: f"{n}: {m}")  # fmt: skip
 
 
 # == ASDL: grad_maker/test_grad_maker.py =========================================================
