@@ -32,6 +32,11 @@ gradient and :mod:`gradhooks.oracle`). The first sixteen sets are :mod:`test_pee
   container); ``test/test_second_order_warnings.py``: a loss scaled after its module
   (``2 · CrossEntropyLoss``, ``2 · MSELoss``), which BackPACK can only warn about, given to
   gradhooks as a function: ``grad1`` and K-FAC's ``G`` scaled by 2 (exact) and 4 (empirical);
+- torch's ExpandedWeights tests (``test/test_expanded_weights.py``, ``test_embedding_one``,
+  ``test_embedding_two``): an Embedding whose forward renormalizes its rows in place
+  (``max_norm``, ``padding_idx``, ``sparse``, ``scale_grad_by_freq``), the forward and the
+  table as without the hooks, ``grad1`` the loop's, the DP step refusing the batch-wide
+  frequency scaling;
 - Opacus' layer benchmarks (``benchmarks/layers.py``, ``benchmarks/tests/test_layers.py``,
   ``test_forward_backward``): each benchmarked layer (Linear, Conv2d, LayerNorm over the last
   axis, affine InstanceNorm1d, GroupNorm of a ``[batch, channels]`` input, Embedding, torch's and
@@ -541,6 +546,53 @@ def test_backpack_second_order_modified_loss(lossname):
         for n, f in plain.items():
             assert_close(scaled[n].A, f.A, f"{lossname} {fisher}: A of {n}")
             assert_close(scaled[n].G, scale * f.G, f"{lossname} {fisher}: G of {n}")
+
+
+# == torch: test/test_expanded_weights.py, test_embedding_one / test_embedding_two ==============
+
+EMBEDDING_KWARGS = {
+    "one": dict(max_norm=1.0, padding_idx=0),
+    "two": dict(max_norm=1.0, padding_idx=0, scale_grad_by_freq=True),
+    "two_sparse": dict(max_norm=1.0, padding_idx=0, sparse=True),
+}
+
+
+@pytest.mark.parametrize("setting", EMBEDDING_KWARGS)
+def test_expanded_weights_embedding_renormalized_in_forward(setting):
+    """test_expanded_weights.py ``test_embedding_one`` and ``test_embedding_two``: an
+    ``Embedding(5, 5)`` whose rows (``randn + 2``) are longer than ``max_norm=1``, so that its
+    forward renormalizes them in place, with ``padding_idx=0``, on ``[3, 3]`` indices (torch
+    refuses ``sparse`` with ``scale_grad_by_freq``, so the peer's second setting is split in
+    two). Under the hooks the forward and the renormalized table are those of a twin without
+    them; ``grad1`` of the summed squares is the loop's (each example's rows renormalized by
+    its own forward). With ``scale_grad_by_freq`` each example's gradient is scaled by its own
+    counts, so ``grad1`` does not sum to ``.grad`` (scaled by the batch's), and the DP step
+    refuses the layer (``UnsupportedError``, nothing written)."""
+    kw = EMBEDDING_KWARGS[setting]
+    torch.manual_seed(0)
+    emb = nn.Embedding(5, 5, **kw).double()
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(5, 5, dtype=D) + 2)
+    idx = torch.randint(5, (3, 3))
+    twin, reference = copy.deepcopy(emb), copy.deepcopy(emb)
+    want = loop_grad(reference, sum_of_squares, idx)
+    with gradhooks.add_hooks(emb, loss_reduction="sum"):
+        out = emb(idx)
+        sum_of_squares(out).backward()
+    assert torch.equal(out, twin(idx)), "the forward changed under the hooks"
+    assert torch.equal(emb.weight, twin.weight) and torch.equal(emb.weight, reference.weight)
+    assert_grad1(emb, want, f"embedding {setting}")
+    summed = torch.allclose(emb.weight.grad1.sum(0), emb.weight.grad.to_dense())
+    assert summed != kw.get("scale_grad_by_freq", False), f"embedding {setting}: grad1 sum"
+    if kw.get("scale_grad_by_freq"):
+        emb.zero_grad(set_to_none=True)
+        gradhooks.clear_grad1(emb)
+        before = model_state(emb)
+        with gradhooks.add_hooks(emb) as h:
+            losses = emb(idx).pow(2).flatten(1).sum(1)
+            with pytest.raises(gradhooks.UnsupportedError):
+                gradhooks.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0)
+        assert_untouched(emb, before)
 
 
 # == Opacus: benchmarks/layers.py, benchmarks/tests/test_layers.py ===============================
