@@ -228,7 +228,7 @@ def dp_sgd_step(
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     _clip.check_bounds(max_norm, clipping_groups, "dp_sgd_step")
     _check_clipping(_clip.total_bound(max_norm), noise_multiplier, generator, clipping)
-    outside = _outside(hooks, per_example_loss)
+    outside = reached_outside(hooks, per_example_loss)
     check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
     params = _step_params(hooks, method, scaler)
     groups = grouped(hooks, method, params, max_norm, clipping_groups, "dp_sgd_step")
@@ -264,7 +264,7 @@ def dp_sgd_step(
     _written(hooks, params)
     drop_stale_grads(hooks, params)
     _warn_if_noise_repeats(hooks, start)
-    _warn_if_outside(hooks, outside)
+    warn_if_outside(hooks, outside, "gradhooks.dp_sgd_step")
     return norms.detach()
 
 
@@ -535,26 +535,29 @@ def drop_stale_grads(writer: object, params: list[torch.nn.Parameter]) -> None:
     ]
 
 
-def _outside(hooks: Hooks, per_example_loss: Tensor) -> list[torch.nn.Parameter]:
+def reached_outside(hooks: Hooks, per_example_loss: Tensor) -> list[torch.nn.Parameter]:
     """The trainable parameters of modules the hooks are not on that the losses reach (the
     hooks added to a part of the model, ``add_hooks(model.body)``, the head or a learned
     temperature left out), which the step writes no gradient: looked for where the step's own
     check runs (the first step of each new set of calls, then the 2nd, 4th, 8th..., and after
-    a refusal), by a walk of the losses' graph before the step's backward frees it."""
+    a refusal), by a walk of the losses' graph before the step's backward frees it. (The
+    step of one process and that across ranks.)"""
     engine = engine_of(hooks)
     if not engine.unverified or not per_example_loss.requires_grad:
         return []
-    own = {id(p) for _, p in engine.named_parameters()}
+    mine = [p for _, p in engine.named_parameters()]
+    own = {id(p) for p in [*mine, *engine.in_use_of(mine)]}  # (FSDP2: and the unsharded)
     return [
         t for t in leaves_of(per_example_loss)
         if isinstance(t, torch.nn.Parameter) and id(t) not in own
     ]  # fmt: skip
 
 
-def _warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter]) -> None:
-    """A step done whose losses reached ``outside`` (:func:`_outside`): an optimizer over them
-    leaves them as they are, or steps them again on a ``.grad`` left from before, neither
-    clipped nor noised. (Not said of a step refused: nothing was written.)"""
+def warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter], where: str) -> None:
+    """A step done (``where``: which) whose losses reached ``outside``
+    (:func:`reached_outside`): an optimizer over them leaves them as they are, or steps them
+    again on a ``.grad`` left from before, neither clipped nor noised. (Not said of a step
+    refused: nothing was written.)"""
     if not outside:
         return
     model = hooks.model
@@ -562,7 +565,7 @@ def _warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter]) -> None:
     shapes = ", ".join(str(tuple(t.shape)) for t in outside[:5])
     more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
     warnings.warn(
-        f"gradhooks.dp_sgd_step: the losses reach {len(outside)} trainable parameter(s) that "
+        f"{where}: the losses reach {len(outside)} trainable parameter(s) that "
         f"are not the hooked model's ({owner}), of shape {shapes}{more}: the step clips and "
         "noises the hooked model's gradients alone and writes these no gradient (their .grad "
         "is left as it was), so an optimizer over them does not train them, or steps them on "
