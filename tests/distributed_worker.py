@@ -528,9 +528,12 @@ def dp_sgd_groups() -> None:
 def dp_sgd_warnings() -> None:
     """What the step across ranks says, on every rank, once each: the hooks on the model's
     body with the head outside (a ``GradhooksWarning`` naming the two head parameters; the
-    body's ``.grad`` equal to one process's on the whole batch, the head's left ``None``); the
-    whole model hooked, nothing."""
+    body's ``.grad`` equal to one process's on the whole batch, the head's left ``None``); DPR's
+    in-batch negatives, each rank's passages taken as shared by its questions (a
+    ``SharedInputWarning`` naming the passages' input); the whole model hooked, nothing."""
     import warnings
+
+    from test_lib_sweep_ninth import BiEncoder
 
     def said(run) -> list[tuple[type, str]]:
         with warnings.catch_warnings(record=True) as found:
@@ -554,6 +557,16 @@ def dp_sgd_warnings() -> None:
     for p, r in zip(params(model)[:-2], params(ref)[:-2], strict=True):
         close(p.grad, r.grad, "the body's p.grad vs one process")
     assert model[-1].weight.grad is None and model[-1].bias.grad is None
+
+    torch.manual_seed(0)
+    dpr = BiEncoder().double()
+    g = torch.Generator().manual_seed(5 + RANK)
+    q, c = torch.randint(13, (4, 4), generator=g), torch.randint(13, (4, 5), generator=g)
+    with gradhooks.add_hooks(dpr, quantities=("norms",)) as h:
+        losses = -dpr(q, c).gather(1, torch.arange(4)[:, None]).squeeze(1)
+        found = said(lambda: ghd.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0))
+    assert [k for k, _ in found] == [gradhooks.SharedInputWarning], f"rank {RANK}: {found}"
+    assert "2nd tensor input, of shape (4, 5)" in found[0][1], found[0][1]
 
     model = net()
     with gradhooks.add_hooks(model, quantities=("norms",)) as h:

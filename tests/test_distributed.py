@@ -170,8 +170,8 @@ def test_group_clipped_dp_sgd_across_ranks_and_fsdp2_equals_one_process(launches
 
 
 def test_dp_sgd_across_ranks_warns_of_what_it_does_not_protect(launches):
-    """Parameters outside the hooks: each rank warns once
-    (``distributed_worker.dp_sgd_warnings``)."""
+    """Parameters outside the hooks, and passages taken as shared by every question: each
+    rank warns once (``distributed_worker.dp_sgd_warnings``)."""
     run("dp_sgd_warnings", launches)
 
 

@@ -77,8 +77,9 @@ def dp_sgd_step(
     (``"sum"``), or ``expected_batch_size`` when given (Poisson sampling: the expected size of
     the whole batch, over all ranks). The model may be wrapped in ``DistributedDataParallel`` or
     not: the backward(s) here use ``torch.autograd.grad``, which DDP's all-reduce does not see.
-    It warns where :func:`gradhooks.dp_sgd_step` does of losses that reach trainable parameters
-    the hooks are not on, on every rank.
+    It warns where :func:`gradhooks.dp_sgd_step` does of what it does not protect, on every
+    rank: losses that reach trainable parameters the hooks are not on, and a forward that took
+    an input as long as the rank's batch as shared by every example.
 
     Args:
         hooks, per_example_loss, max_norm, noise_multiplier, reduction, method,
@@ -155,6 +156,7 @@ def dp_sgd_step(
         _dp.write_grad(p, _like(p, _dp.as_grad((g / denom).detach(), layout)))
     _dp.drop_stale_grads(hooks, params)
     _dp.warn_if_outside(hooks, outside, "gradhooks.distributed.dp_sgd_step")
+    _dp.warn_if_shared_inputs(hooks, "gradhooks.distributed.dp_sgd_step")
     return norms.detach()
 
 

@@ -74,6 +74,7 @@ from ..errors import (
     ConfigurationError,
     ConfigurationTypeError,
     GradhooksWarning,
+    SharedInputWarning,
     StateError,
     UnsupportedError,
     require_number,
@@ -167,7 +168,10 @@ def dp_sgd_step(
     and no optimizer step used (micro-batches of one logical batch, each given to it) warns;
     a logical batch in several physical batches is :class:`gradhooks.DPOptimizer`'s. Losses
     that also reach trainable parameters the hooks are not on (a head left out of
-    ``add_hooks(model.body)``) warn: those get no gradient from the step.
+    ``add_hooks(model.body)``) warn: those get no gradient from the step. A forward that took
+    an input as long as the batch as shared by every example (in-batch negatives,
+    ``q @ p.T``) warns too, once a step (:class:`gradhooks.SharedInputWarning`): its rows
+    are in every example's gradient, and the step protects none of them.
 
     Args:
         hooks: the handle of ``add_hooks(model, quantities=("grad1",))`` (path ``"grad1"``)
@@ -265,6 +269,7 @@ def dp_sgd_step(
     drop_stale_grads(hooks, params)
     _warn_if_noise_repeats(hooks, start)
     warn_if_outside(hooks, outside, "gradhooks.dp_sgd_step")
+    warn_if_shared_inputs(hooks, "gradhooks.dp_sgd_step")
     return norms.detach()
 
 
@@ -573,6 +578,44 @@ def warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter], where: str)
         "losses are computed through (add_hooks(model), not a part of it), or freeze them "
         "(requires_grad_(False)).",
         GradhooksWarning,
+        stacklevel=3,
+    )
+
+
+def warn_if_shared_inputs(hooks: Hooks, where: str) -> None:
+    """A step done (``where``: which) whose per-example gradients came from a forward that
+    took an input of the model as long as the batch as shared by every example
+    (:attr:`gradhooks.engine.api.EngineAPI.shared_inputs`: the passages of a retriever
+    trained on in-batch negatives, ``q @ p.T``): every example's gradient holds what each of
+    its rows adds, so the step protects none of them. One warning per step, naming every
+    such input."""
+    found = engine_of(hooks).shared_inputs
+    if not found:
+        return
+    model = hooks.model
+    owner = type(model).__qualname__ if model is not None else "the model"
+
+    def one(s: Any) -> str:
+        k = s.position + 1
+        nth = f"{k}{'th' if 10 <= k % 100 < 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
+        made = (
+            f"; the hooked calls on it alone, {', '.join(map(repr, s.calls))}, made batch-free"
+            if s.calls
+            else ""
+        )
+        return f"its {nth} tensor input, of shape {s.shape} (at {s.operation}{made})"
+
+    warnings.warn(
+        f"{where}: the forward of {owner} took {'; and '.join(map(one, found))} as shared by "
+        "every example, not as rows of examples of their own: an input as long as the batch "
+        "that every example is compared with (in-batch negatives, q @ p.T, or a memory bank). "
+        "Each example's clipped gradient then holds what every row of it adds, so those rows "
+        "are not protected by the step (removing one changes every example's gradient). Give "
+        "the model its shared rows from outside the private data, or compute each example's "
+        "loss from its own rows alone. Where that input holds no example's data (a mask, a "
+        "fixed table as long as the batch), filter this warning: warnings.filterwarnings("
+        "'ignore', category=gradhooks.SharedInputWarning).",
+        SharedInputWarning,
         stacklevel=3,
     )
 
