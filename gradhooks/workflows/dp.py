@@ -606,9 +606,10 @@ def warn_if_shared_inputs(hooks: Hooks, where: str) -> None:
         return f"its {nth} tensor input, of shape {s.shape} (at {s.operation}{made})"
 
     warnings.warn(
-        f"{where}: the forward of {owner} took {'; and '.join(map(one, found))} as shared by "
-        "every example, not as rows of examples of their own: an input as long as the batch "
-        "that every example is compared with (in-batch negatives, q @ p.T, or a memory bank). "
+        f"{where}: the forward of {owner} took as shared by every example, not as rows of "
+        f"examples of their own, {'; and '.join(map(one, found))}: an input as long as the "
+        "batch that every example is compared with (in-batch negatives, q @ p.T, or a memory "
+        "bank). "
         "Each example's clipped gradient then holds what every row of it adds, so those rows "
         "are not protected by the step (removing one changes every example's gradient). Give "
         "the model its shared rows from outside the private data, or compute each example's "
