@@ -36,6 +36,7 @@ from .errors import (
     NumericalError,
     PrivacyBudgetExceeded,
     RuleError,
+    SharedInputWarning,
     StateError,
     UnbatchedInputError,
     UnsupportedError,
@@ -73,6 +74,7 @@ __all__ = [
     # guards (never silently wrong)
     "set_memory_limit",
     "GradhooksWarning",
+    "SharedInputWarning",
     "CheckReport",
     # errors (every refusal is a GradhooksError; see gradhooks.errors)
     "GradhooksError",

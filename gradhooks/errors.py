@@ -23,6 +23,7 @@ from numbers import Real
 
 __all__ = [
     "GradhooksWarning",
+    "SharedInputWarning",
     "GradhooksError",
     "ConfigurationError",
     "ConfigurationTypeError",
@@ -49,6 +50,16 @@ class GradhooksWarning(RuntimeWarning):
     """A backward whose per-example gradients gradhooks could not capture, or a setting that
     runs but is likely not what was meant (a DP step's noise repeated across steps, a δ not
     below 1 / the number of examples)."""
+
+
+class SharedInputWarning(GradhooksWarning):
+    """A DP step whose per-example gradients came from a forward that took an input of the
+    model as long as the batch as shared by every example (the passages of a retriever
+    trained on in-batch negatives, ``q @ p.T``; a memory bank): each example's gradient holds
+    what every row of that input adds, so those rows are not protected by the step. Give the
+    model its shared rows from outside the private data, or compute each example's loss from
+    its own rows alone; where that input holds no example's data (a mask, a fixed table that
+    happens to be as long as the batch), filter this warning by its class."""
 
 
 class GradhooksError(Exception):

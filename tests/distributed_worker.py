@@ -525,6 +525,56 @@ def dp_sgd_groups() -> None:
         ref_h.remove()
 
 
+def dp_sgd_warnings() -> None:
+    """What the step across ranks says, on every rank, once each: the hooks on the model's
+    body with the head outside (a ``GradhooksWarning`` naming the two head parameters; the
+    body's ``.grad`` equal to one process's on the whole batch, the head's left ``None``); DPR's
+    in-batch negatives, each rank's passages taken as shared by its questions (a
+    ``SharedInputWarning`` naming the passages' input); the whole model hooked, nothing."""
+    import warnings
+
+    from test_lib_sweep_ninth import BiEncoder
+
+    def said(run) -> list[tuple[type, str]]:
+        with warnings.catch_warnings(record=True) as found:
+            warnings.simplefilter("always")
+            run()
+        return [(w.category, str(w.message)) for w in found
+                if issubclass(w.category, gradhooks.GradhooksWarning)]  # fmt: skip
+
+    x, y, xs, ys = data([5, 3])
+    model, ref = net(), net()
+    body, ref_body = model[:-1], ref[:-1]  # (held: the handles hold their models weakly)
+    with gradhooks.add_hooks(body, quantities=("norms",)) as h:
+        losses = F.cross_entropy(model(xs), ys, reduction="none")
+        found = said(lambda: ghd.dp_sgd_step(h, losses, max_norm=4.0, noise_multiplier=0.0))
+    assert [c for c, _ in found] == [gradhooks.GradhooksWarning], f"rank {RANK}: {found}"
+    for part in ("gradhooks.distributed.dp_sgd_step:", "reach 2 trainable", "(3, 6), (3,)"):
+        assert part in found[0][1], f"rank {RANK}: {part!r} not in {found[0][1]}"
+    with gradhooks.add_hooks(ref_body, quantities=("norms",)) as h:
+        losses = F.cross_entropy(ref(x), y, reduction="none")
+        said(lambda: gradhooks.dp_sgd_step(h, losses, max_norm=4.0, noise_multiplier=0.0))
+    for p, r in zip(params(model)[:-2], params(ref)[:-2], strict=True):
+        close(p.grad, r.grad, "the body's p.grad vs one process")
+    assert model[-1].weight.grad is None and model[-1].bias.grad is None
+
+    torch.manual_seed(0)
+    dpr = BiEncoder().double()
+    g = torch.Generator().manual_seed(5 + RANK)
+    q, c = torch.randint(13, (4, 4), generator=g), torch.randint(13, (4, 5), generator=g)
+    with gradhooks.add_hooks(dpr, quantities=("norms",)) as h:
+        losses = -dpr(q, c).gather(1, torch.arange(4)[:, None]).squeeze(1)
+        found = said(lambda: ghd.dp_sgd_step(h, losses, max_norm=1.0, noise_multiplier=0.0))
+    assert [k for k, _ in found] == [gradhooks.SharedInputWarning], f"rank {RANK}: {found}"
+    assert "2nd tensor input, of shape (4, 5)" in found[0][1], found[0][1]
+
+    model = net()
+    with gradhooks.add_hooks(model, quantities=("norms",)) as h:
+        losses = F.cross_entropy(model(xs), ys, reduction="none")
+        found = said(lambda: ghd.dp_sgd_step(h, losses, max_norm=4.0, noise_multiplier=0.0))
+    assert found == [], f"rank {RANK}: {found}"
+
+
 SCENARIOS = {
     "ddp_grad1": lambda: (
         ddp_grad1("wrapper"),
@@ -539,6 +589,7 @@ SCENARIOS = {
     "mismatch": mismatch,
     "fsdp": fsdp,
     "dp_sgd_groups": dp_sgd_groups,
+    "dp_sgd_warnings": dp_sgd_warnings,
 }
 
 if __name__ == "__main__":

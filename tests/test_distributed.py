@@ -39,8 +39,8 @@ def free_port() -> int:
 # they import FSDP2, and gradhooks looks for FSDP's modules only once they are imported
 LAUNCHES = {
     "plain": (
-        ["ddp_grad1", "dp_sgd", "dp_sgd_autocast", "dp_sgd_noise", "kfac", "mismatch", "fsdp",
-         "dp_sgd_groups"],
+        ["ddp_grad1", "dp_sgd", "dp_sgd_autocast", "dp_sgd_noise", "kfac", "mismatch",
+         "dp_sgd_warnings", "fsdp", "dp_sgd_groups"],
         {},
     ),
     # every Linear and Conv1d call takes its batch gradient from grad1 (a _Join node)
@@ -167,6 +167,12 @@ def test_fsdp2_dp_step_equals_one_process(launches):
 
 def test_group_clipped_dp_sgd_across_ranks_and_fsdp2_equals_one_process(launches):
     run("dp_sgd_groups", launches)
+
+
+def test_dp_sgd_across_ranks_warns_of_what_it_does_not_protect(launches):
+    """Parameters outside the hooks, and passages taken as shared by every question: each
+    rank warns once (``distributed_worker.dp_sgd_warnings``)."""
+    run("dp_sgd_warnings", launches)
 
 
 def test_different_models_on_ranks_raise(launches):

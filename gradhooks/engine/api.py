@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..errors import ConfigurationError, StateError
 from ..quantities import Collector
-from ..tracking import Tracker
+from ..tracking import SharedInput, Tracker
 from .forward import output_edges
 from .handle import Hooks
 from .records import BackwardMode
@@ -177,6 +177,14 @@ class EngineAPI:
     def precision(self) -> torch.dtype | None:
         """The lowest precision the calls of the backwards since ``clear()`` ran in."""
         return self._hooks._state.precision
+
+    @property
+    def shared_inputs(self) -> list[SharedInput]:
+        """The model's inputs as long as the batch that the forwards whose calls the backwards
+        since ``clear()`` captured took as shared by every example (the tracker's decision,
+        :func:`gradhooks.tracking.propagate.take_as_shared`): their rows are in every example's
+        gradient, no example's own."""
+        return list(self._hooks._state.shared_inputs)
 
     @property
     def recomputes(self) -> bool:

@@ -233,7 +233,7 @@ class BackwardWriter:
             and frame is not None
             # (the usual: a forward it reached already, nothing kept for the probe)
             and (bw.verify or id(frame) not in bw.frames)
-            and _note_frame(bw, frame, ids, target)
+            and _note_frame(bw, frame, ids, target, self.state.shared_inputs)
         )
         try:
             if new_rows:
@@ -1110,7 +1110,7 @@ class BackwardWriter:
         bw = self.backward_state()
         frames = {id(f): f for f in map(self.state.source_frames.get, found) if f is not None}
         for frame in frames.values():  # (the forwards of its uses, as a call's: for the checks)
-            if _note_frame(bw, frame, (pid,), target):
+            if _note_frame(bw, frame, (pid,), target, self.state.shared_inputs):
                 try:
                     self._check_rows(bw)
                 except BaseException:
@@ -1524,17 +1524,23 @@ def _multiple(raw: Tensor, final: Tensor, tol: float) -> float | None:
     return c if float((f - c * r).abs().max()) <= tol * scale else None
 
 
-def _note_frame(bw: Backward, frame: Frame, pids: Iterable[int], target: Target) -> bool:
+def _note_frame(
+    bw: Backward, frame: Frame, pids: Iterable[int], target: Target, shared: dict
+) -> bool:
     """Backward ``bw`` reached parameters ``pids`` (by id) from the forward ``frame``, through a
     call of ``target`` or a use the tracker followed: which forwards it reached, for the
-    probe's check, and where their examples lie. Returns whether that adds a forward whose
-    rows are to be checked against the others' (:meth:`BackwardWriter._check_rows`)."""
+    probe's check, and where their examples lie (``shared``: given the inputs of the forward
+    taken as shared by every example, :attr:`CaptureState.shared_inputs`). Returns whether
+    that adds a forward whose rows are to be checked against the others'
+    (:meth:`BackwardWriter._check_rows`)."""
     if bw.verify:  # (for the probe's check)
         for pid in pids:
             bw.frames_of.setdefault(pid, set()).add(id(frame))
     if id(frame) in bw.frames:
         return False
     bw.frames.add(id(frame))
+    if frame.shared:
+        shared.update(dict.fromkeys(frame.shared))
     if frame.rows is None:
         return False
     bw.rows_of.append((frame.rows, target.where))

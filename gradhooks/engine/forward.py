@@ -953,7 +953,7 @@ class ForwardCapture:
                 tracker.note_packed(packed.data, packed.batch_sizes, packed.sorted_indices)
         for i, (t, lay) in enumerate(layouts):
             if i and lay is not PACKED:
-                tracker.add_candidate(t, lay)
+                tracker.add_candidate(t, lay, next(k for k, x in enumerate(leaves) if x is t))
             elif lay is PACKED:
                 tracker.set_layout(t, lay)
             else:
@@ -969,6 +969,8 @@ class ForwardCapture:
 
     def stop_tracker(self, frame: Frame) -> None:
         tracker, frame.tracker = frame.tracker, None
+        if tracker is not None and tracker.shared_inputs:
+            frame.shared = tuple(tracker.shared_inputs)
         if frame.scripted is not None:
             frame.scripted.remove()
             frame.scripted = None

@@ -797,6 +797,7 @@ class Hooks:
         self._state.aside.clear()
         self._state.missed.clear()
         self._state.precision = None
+        self._state.shared_inputs.clear()
         self._state.rounded.clear()
         self._state.terms_scale.clear()
         self._hessian_backprops.clear()

@@ -124,6 +124,9 @@ class Frame:
     # the precision its float32 calls' products ran in where torch lowers it
     # (:func:`float32_products`: bfloat16 under set_float32_matmul_precision("medium"))
     products: torch.dtype | None = None
+    # the model's inputs as long as the batch that its tracker took as shared by every example
+    # (tracking.propagate.SharedInput): their rows are no example's own
+    shared: tuple = ()
     _ref: Any = field(default=None, repr=False, compare=False)  # (see ref)
 
     def ref(self) -> weakref.ref:

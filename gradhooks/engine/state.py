@@ -141,6 +141,9 @@ class CaptureState:
         # the lowest precision the calls of the backwards since clear() ran in (the checks'
         # tolerance: records.lowest_precision)
         self.precision: torch.dtype | None = None
+        # the model's inputs as long as the batch taken as shared by every example in the
+        # forwards whose calls the backwards since clear() captured (records.Frame.shared)
+        self.shared_inputs: dict[Any, None] = {}
         # per parameter id, the terms autograd's kernels rounded one by one in a half precision
         # (pieces.Piece.rounded_terms: the checks' room) in the backwards accumulated into its
         # grad1 since it last started afresh (without grad1: the most in one backward since

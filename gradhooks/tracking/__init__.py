@@ -23,6 +23,7 @@ This package imports nothing from :mod:`gradhooks.engine`."""
 
 from .aliases import Aliases, aliased
 from .layout import MIXED, PACKED, UNKNOWN, Layout, Owners, batch_rows, example_mask
+from .propagate import SharedInput
 from .sources import Source
 from .tracker import Tracker, note
 
@@ -34,6 +35,7 @@ __all__ = [
     "MIXED",
     "Tracker",
     "Source",
+    "SharedInput",
     "Aliases",
     "aliased",
     "note",

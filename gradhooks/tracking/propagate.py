@@ -11,7 +11,7 @@ alone (candidates: :func:`without_candidates`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import Tensor
 
@@ -550,21 +550,36 @@ def without_candidates(tr: Tracker, name: str, args, kwargs, out, ins: list, res
     alts = alt if isinstance(alt, list) else [alt]
     if not alts or any(a is None or a in (MIXED, UNKNOWN, CONTRACTED, FREE) for a in alts):
         return result
-    take_as_shared(tr, cands)
+    take_as_shared(tr, cands, name)
     return alt
 
 
-def take_as_shared(tr: Tracker, cands: frozenset[int]) -> None:
-    """The candidates ``cands`` (ids) are shared by every example: what was computed from
-    them alone has no layout, and the hooked calls on them are batch-free, their outputs
-    sources that taint what was computed from them."""
+class SharedInput(NamedTuple):
+    """A model input as long as the batch, taken as holding the examples by its size alone,
+    that the forward took as shared by every example after all (:func:`take_as_shared`):
+    every example's gradient then holds what each of its rows adds, so that its rows are no
+    example's own (under DP, they are not protected)."""
+
+    position: int  # its place among the model's tensor inputs (0: the first)
+    shape: tuple[int, ...]
+    operation: str  # the operation that took it as shared, with the call it ran in
+    calls: tuple[str, ...]  # the hooked calls on it alone, made batch-free by that
+
+
+def take_as_shared(tr: Tracker, cands: frozenset[int], name: str) -> None:
+    """The candidates ``cands`` (ids) are shared by every example, as operation ``name``
+    takes them: what was computed from them alone has no layout, and the hooked calls on them
+    are batch-free, their outputs sources that taint what was computed from them. Each is
+    noted in :attr:`.Tracker.shared_inputs`."""
     for t, found in list(tr.lineage.items()):
         if found & cands:
             tr.layouts.pop(t, None)
             del tr.lineage[t]
-    for t in list(tr.candidates.keys()):
+    taken = []
+    for t, position in tr.candidates.items():
         if id(t) in cands:
             del tr.candidates[t]
+            taken.append((position, tuple(t.shape)))
     made: dict[int, frozenset[Source]] = {}
     for k, p in enumerate(tr.pending):
         if p.done or not p.lineage & cands:
@@ -579,6 +594,9 @@ def take_as_shared(tr: Tracker, cands: frozenset[int]) -> None:
         srcs = frozenset().union(*(made.get(k, frozenset()) for k in keys))
         if srcs:
             tr.taint(t, srcs)
+    calls = tuple(dict.fromkeys(s.name for ss in made.values() for s in ss))
+    operation = tr.in_call(name)
+    tr.shared_inputs.extend(SharedInput(k, shape, operation, calls) for k, shape in taken)
 
 
 def meet_after(tr: Tracker, name: str, args, kwargs, out) -> None:

@@ -59,7 +59,7 @@ from .ops import data_args, facts, facts_named, quick_table
 from .ops.common import op_name, out_tensors, tensor_args
 from .ops.names import PICKS
 from .ops.views import DECOMPOSED
-from .propagate import ListedJoin, propagate_op
+from .propagate import ListedJoin, SharedInput, propagate_op
 from .quick import NO_TENSOR, UNLAID, follow, quick_follow, quick_key, untainted
 from .read import READS_ROWS, note_read
 from .rows import READS_VALUE, Placed, note_decided, note_placed, uneven_placed
@@ -131,10 +131,10 @@ class Tracker(TorchFunctionMode):
     single: TensorMap
     # tensors of unknown layout whose examples are presumed where they were (propagate.presume)
     presumed: TensorMap
-    # the model's inputs taken as holding the examples by their size alone (not its first input):
-    # an operation that would mix the examples only because of one of them, or of what was
-    # computed from them alone, takes them as shared by every example instead
-    # (:func:`~.propagate.without_candidates`)
+    # the model's inputs taken as holding the examples by their size alone (not its first input),
+    # with the place of each among its tensor inputs: an operation that would mix the examples
+    # only because of one of them, or of what was computed from them alone, takes them as
+    # shared by every example instead (:func:`~.propagate.without_candidates`)
     candidates: TensorMap
     # tensor -> the indices in ``pending`` of the calls it was computed from
     would: TensorMap
@@ -228,6 +228,9 @@ class Tracker(TorchFunctionMode):
         # note_listed), and the joins of the forward that treated them as the examples
         self.listed: set[int] = set()
         self.listed_joins: list[ListedJoin] = []
+        # the candidates the forward took as shared by every example after all, as it did
+        # (see propagate.take_as_shared): their rows are no example's own
+        self.shared_inputs: list[SharedInput] = []
         # the tensors the forward kept the gradient of (``h.retain_grad()``), weakly: a
         # backward of autograd's own through the graph (the checks of the engine's) adds to
         # their ``.grad`` too, which the engine puts back as it was (see
@@ -302,11 +305,12 @@ class Tracker(TorchFunctionMode):
         for o in outs:
             self.layouts[o] = MIXED
 
-    def add_candidate(self, t: Tensor, layout: Layout) -> None:
-        """``t``, an input of the model other than its first, is taken as holding the examples
-        on ``layout`` by its size alone (:attr:`candidates`)."""
+    def add_candidate(self, t: Tensor, layout: Layout, position: int) -> None:
+        """``t``, an input of the model other than its first (``position``: its place among
+        the model's tensor inputs), is taken as holding the examples on ``layout`` by its size
+        alone (:attr:`candidates`)."""
         self.set_layout(t, layout)
-        self.candidates[t] = True
+        self.candidates[t] = position
         self.lineage[t] = frozenset({id(t)})
 
     def note_packed(self, data: Tensor, sizes: Tensor, order: Tensor | None) -> None:

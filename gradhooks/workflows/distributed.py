@@ -77,6 +77,9 @@ def dp_sgd_step(
     (``"sum"``), or ``expected_batch_size`` when given (Poisson sampling: the expected size of
     the whole batch, over all ranks). The model may be wrapped in ``DistributedDataParallel`` or
     not: the backward(s) here use ``torch.autograd.grad``, which DDP's all-reduce does not see.
+    It warns where :func:`gradhooks.dp_sgd_step` does of what it does not protect, on every
+    rank: losses that reach trainable parameters the hooks are not on, and a forward that took
+    an input as long as the rank's batch as shared by every example.
 
     Args:
         hooks, per_example_loss, max_norm, noise_multiplier, reduction, method,
@@ -118,6 +121,7 @@ def dp_sgd_step(
     total = _clip.total_bound(max_norm)
     _dp._check_clipping(total, noise_multiplier, generator, clipping)
     _dp.check_scaler(scaler)
+    outside = _dp.reached_outside(hooks, per_example_loss)
     params = _dp.steppable_params(hooks, method, "gradhooks.distributed.dp_sgd_step")
     if engine_of(hooks).sharded and method == "ghost":
         raise ConfigurationError(
@@ -151,6 +155,8 @@ def dp_sgd_step(
     for p, g, layout in zip(params, grads, sparse, strict=True):
         _dp.write_grad(p, _like(p, _dp.as_grad((g / denom).detach(), layout)))
     _dp.drop_stale_grads(hooks, params)
+    _dp.warn_if_outside(hooks, outside, "gradhooks.distributed.dp_sgd_step")
+    _dp.warn_if_shared_inputs(hooks, "gradhooks.distributed.dp_sgd_step")
     return norms.detach()
 
 

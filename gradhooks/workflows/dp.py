@@ -74,6 +74,7 @@ from ..errors import (
     ConfigurationError,
     ConfigurationTypeError,
     GradhooksWarning,
+    SharedInputWarning,
     StateError,
     UnsupportedError,
     require_number,
@@ -167,7 +168,10 @@ def dp_sgd_step(
     and no optimizer step used (micro-batches of one logical batch, each given to it) warns;
     a logical batch in several physical batches is :class:`gradhooks.DPOptimizer`'s. Losses
     that also reach trainable parameters the hooks are not on (a head left out of
-    ``add_hooks(model.body)``) warn: those get no gradient from the step.
+    ``add_hooks(model.body)``) warn: those get no gradient from the step. A forward that took
+    an input as long as the batch as shared by every example (in-batch negatives,
+    ``q @ p.T``) warns too, once a step (:class:`gradhooks.SharedInputWarning`): its rows
+    are in every example's gradient, and the step protects none of them.
 
     Args:
         hooks: the handle of ``add_hooks(model, quantities=("grad1",))`` (path ``"grad1"``)
@@ -228,7 +232,7 @@ def dp_sgd_step(
     method = _checked(hooks, per_example_loss, method, reduction, expected_batch_size)
     _clip.check_bounds(max_norm, clipping_groups, "dp_sgd_step")
     _check_clipping(_clip.total_bound(max_norm), noise_multiplier, generator, clipping)
-    outside = _outside(hooks, per_example_loss)
+    outside = reached_outside(hooks, per_example_loss)
     check_batch_against_expected(per_example_loss.shape[0], expected_batch_size, "dp_sgd_step")
     params = _step_params(hooks, method, scaler)
     groups = grouped(hooks, method, params, max_norm, clipping_groups, "dp_sgd_step")
@@ -264,7 +268,8 @@ def dp_sgd_step(
     _written(hooks, params)
     drop_stale_grads(hooks, params)
     _warn_if_noise_repeats(hooks, start)
-    _warn_if_outside(hooks, outside)
+    warn_if_outside(hooks, outside, "gradhooks.dp_sgd_step")
+    warn_if_shared_inputs(hooks, "gradhooks.dp_sgd_step")
     return norms.detach()
 
 
@@ -535,26 +540,29 @@ def drop_stale_grads(writer: object, params: list[torch.nn.Parameter]) -> None:
     ]
 
 
-def _outside(hooks: Hooks, per_example_loss: Tensor) -> list[torch.nn.Parameter]:
+def reached_outside(hooks: Hooks, per_example_loss: Tensor) -> list[torch.nn.Parameter]:
     """The trainable parameters of modules the hooks are not on that the losses reach (the
     hooks added to a part of the model, ``add_hooks(model.body)``, the head or a learned
     temperature left out), which the step writes no gradient: looked for where the step's own
     check runs (the first step of each new set of calls, then the 2nd, 4th, 8th..., and after
-    a refusal), by a walk of the losses' graph before the step's backward frees it."""
+    a refusal), by a walk of the losses' graph before the step's backward frees it. (The
+    step of one process and that across ranks.)"""
     engine = engine_of(hooks)
     if not engine.unverified or not per_example_loss.requires_grad:
         return []
-    own = {id(p) for _, p in engine.named_parameters()}
+    mine = [p for _, p in engine.named_parameters()]
+    own = {id(p) for p in [*mine, *engine.in_use_of(mine)]}  # (FSDP2: and the unsharded)
     return [
         t for t in leaves_of(per_example_loss)
         if isinstance(t, torch.nn.Parameter) and id(t) not in own
     ]  # fmt: skip
 
 
-def _warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter]) -> None:
-    """A step done whose losses reached ``outside`` (:func:`_outside`): an optimizer over them
-    leaves them as they are, or steps them again on a ``.grad`` left from before, neither
-    clipped nor noised. (Not said of a step refused: nothing was written.)"""
+def warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter], where: str) -> None:
+    """A step done (``where``: which) whose losses reached ``outside``
+    (:func:`reached_outside`): an optimizer over them leaves them as they are, or steps them
+    again on a ``.grad`` left from before, neither clipped nor noised. (Not said of a step
+    refused: nothing was written.)"""
     if not outside:
         return
     model = hooks.model
@@ -562,7 +570,7 @@ def _warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter]) -> None:
     shapes = ", ".join(str(tuple(t.shape)) for t in outside[:5])
     more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
     warnings.warn(
-        f"gradhooks.dp_sgd_step: the losses reach {len(outside)} trainable parameter(s) that "
+        f"{where}: the losses reach {len(outside)} trainable parameter(s) that "
         f"are not the hooked model's ({owner}), of shape {shapes}{more}: the step clips and "
         "noises the hooked model's gradients alone and writes these no gradient (their .grad "
         "is left as it was), so an optimizer over them does not train them, or steps them on "
@@ -570,6 +578,45 @@ def _warn_if_outside(hooks: Hooks, outside: list[torch.nn.Parameter]) -> None:
         "losses are computed through (add_hooks(model), not a part of it), or freeze them "
         "(requires_grad_(False)).",
         GradhooksWarning,
+        stacklevel=3,
+    )
+
+
+def warn_if_shared_inputs(hooks: Hooks, where: str) -> None:
+    """A step done (``where``: which) whose per-example gradients came from a forward that
+    took an input of the model as long as the batch as shared by every example
+    (:attr:`gradhooks.engine.api.EngineAPI.shared_inputs`: the passages of a retriever
+    trained on in-batch negatives, ``q @ p.T``): every example's gradient holds what each of
+    its rows adds, so the step protects none of them. One warning per step, naming every
+    such input."""
+    found = engine_of(hooks).shared_inputs
+    if not found:
+        return
+    model = hooks.model
+    owner = type(model).__qualname__ if model is not None else "the model"
+
+    def one(s: Any) -> str:
+        k = s.position + 1
+        nth = f"{k}{'th' if 10 <= k % 100 < 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
+        made = (
+            f"; the hooked calls on it alone, {', '.join(map(repr, s.calls))}, made batch-free"
+            if s.calls
+            else ""
+        )
+        return f"its {nth} tensor input, of shape {s.shape} (at {s.operation}{made})"
+
+    warnings.warn(
+        f"{where}: the forward of {owner} took as shared by every example, not as rows of "
+        f"examples of their own, {'; and '.join(map(one, found))}: an input as long as the "
+        "batch that every example is compared with (in-batch negatives, q @ p.T, or a memory "
+        "bank). "
+        "Each example's clipped gradient then holds what every row of it adds, so those rows "
+        "are not protected by the step (removing one changes every example's gradient). Give "
+        "the model its shared rows from outside the private data, or compute each example's "
+        "loss from its own rows alone. Where that input holds no example's data (a mask, a "
+        "fixed table as long as the batch), filter this warning: warnings.filterwarnings("
+        "'ignore', category=gradhooks.SharedInputWarning).",
+        SharedInputWarning,
         stacklevel=3,
     )
 
