@@ -365,3 +365,22 @@ def test_a_step_warns_of_its_own_forward_alone():
             h, nll(model(x), torch.arange(B)), max_norm=MAX_NORM, noise_multiplier=0.0
         ))  # fmt: skip
     assert len(first) == 1 and second == [], (first, second)
+
+
+def test_a_step_of_hooks_whose_model_was_collected_is_refused():
+    """``add_hooks(model[:-1])`` on a slice nothing else holds: the handle keeps its model
+    weakly, so once the slice is collected its layers still run with the hooks while the step
+    has no model to name them by. Refused with a ``StateError`` naming the hooked layers, and
+    nothing written."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    h = gradhooks.add_hooks(model[:-1])
+    gc.collect()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(2, (5,))
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(gradhooks.StateError, match=r"gone.*'0' \(Linear\)"):
+        gradhooks.dp_sgd_step(h, losses, max_norm=MAX_NORM, noise_multiplier=0.0)
+    assert all(p.grad is None for p in model.parameters())
+    h.remove()

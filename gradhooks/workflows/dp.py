@@ -697,6 +697,15 @@ def _checked(
             f"per_example_loss must be a tensor [batch] (the loss with reduction='none'), got "
             f"{type(per_example_loss).__qualname__}"
         )
+    if hooks.model is None and hooks.active:
+        names = ", ".join(f"'{n}' ({type(m).__qualname__})" for n, m in hooks.modules())
+        raise StateError(
+            "dp_sgd_step: the model these hooks were added to is gone (garbage-collected: "
+            "add_hooks(model[:-1]) or add_hooks(nn.Sequential(...)) on a module nothing else "
+            f"holds), though its layers still run with its hooks ({names or 'none'}): keep a "
+            "reference to the module you hook, body = model[:-1]; h = add_hooks(body), and "
+            "call it. Remove these hooks with h.remove()"
+        )
     method = _checked_method(hooks, method)
     if reduction not in ("mean", "sum"):
         raise ConfigurationError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
