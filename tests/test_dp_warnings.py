@@ -384,3 +384,31 @@ def test_a_step_of_hooks_whose_model_was_collected_is_refused():
         gradhooks.dp_sgd_step(h, losses, max_norm=MAX_NORM, noise_multiplier=0.0)
     assert all(p.grad is None for p in model.parameters())
     h.remove()
+
+
+def test_dp_optimizer_and_clipped_sum_warn_of_shared_inputs_and_outside_parameters():
+    """``DPOptimizer.backward`` (and ``make_private``, through it) and ``clipped_sum`` warn as
+    the step does, naming themselves: in-batch negatives once per physical batch, and a head
+    the hooks are not on; their sums are the loop's, clipped."""
+    model = biencoder()
+    q, c = dpr_batch(3)
+    want = dpr_loop(model, q, c)
+    opt = gradhooks.DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), gradhooks.add_hooks(model),
+        noise_multiplier=0.0, max_grad_norm=DPR_NORM, expected_batch_size=B,
+    )  # fmt: skip
+    found, _ = caught_all(lambda: opt.backward(nll(model(q, c), torch.arange(B))))
+    assert [k for k, _ in found] == [gradhooks.SharedInputWarning], found
+    assert "DPOptimizer.backward:" in found[0][1], found[0][1]
+    opt.step()
+    assert_step(model, want, "DPOptimizer", DPR_NORM)
+    opt.hooks.remove()
+
+    model, x, y = Smoothed(), *_batch(3)
+    with gradhooks.add_hooks(model.l1) as h:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        said, got = caught(gradhooks.GradhooksWarning, lambda: gradhooks.clipped_sum(
+            h, losses, max_norm=MAX_NORM
+        ))  # fmt: skip
+    assert len(said) == 1 and "gradhooks.clipped_sum:" in said[0], said
+    assert "reach 2 trainable" in said[0], said[0]

@@ -314,9 +314,22 @@ def clipped_sum(
     ``scaler`` the backward runs on the scaled losses (float16 autocast) and the sums are
     returned unscaled (divided by the scale, a power of two: exact).
     """
+    return warned_clipped_sum(
+        hooks, per_example_loss, max_norm, method, scaler, clipping, clipping_groups,
+        "gradhooks.clipped_sum",
+    )  # fmt: skip
+
+
+def warned_clipped_sum(
+    hooks: Hooks, per_example_loss: Tensor, max_norm: Any, method: str | None, scaler: Any,
+    clipping: str, clipping_groups: ClippingGroups, where: str,
+) -> ClippedSum:  # fmt: skip
+    """:func:`clipped_sum`, warning as :func:`dp_sgd_step` does of what it does not protect
+    (parameters outside the hooks, inputs taken as shared), as ``where``."""
     method = _checked(hooks, per_example_loss, method, "mean", None)
     _clip.check_bounds(max_norm, clipping_groups, "clipped_sum")
     _check_clipping(_clip.total_bound(max_norm), 0.0, clipping=clipping)
+    outside = reached_outside(hooks, per_example_loss)
     params = _step_params(hooks, method, scaler)
     groups = grouped(hooks, method, params, max_norm, clipping_groups, "clipped_sum")
     norms, sums, scale, sparse = _clipped_sums(
@@ -326,6 +339,8 @@ def clipped_sum(
     ok = scale is None or finite(norms, sums)
     if scale is not None:
         sums = [s.detach() / scale for s in sums]
+    warn_if_outside(hooks, outside, where)
+    warn_if_shared_inputs(hooks, where)
     return ClippedSum(params, [s.detach() for s in sums], norms.detach(), ok, sparse)
 
 

@@ -332,9 +332,9 @@ class DPOptimizer(torch.optim.Optimizer):
             self._same_params("DPOptimizer.backward")
             self._same_bound("DPOptimizer.backward")
             self._same_grads("DPOptimizer.backward")
-        got = _dp.clipped_sum(
-            self.hooks, per_example_loss, max_norm=self.max_grad_norm, method=self.method,
-            scaler=self.scaler, clipping=self.clipping, clipping_groups=self.clipping_groups,
+        got = _dp.warned_clipped_sum(
+            self.hooks, per_example_loss, self.max_grad_norm, self.method, self.scaler,
+            self.clipping, self.clipping_groups, "DPOptimizer.backward",
         )  # fmt: skip
         if self._sums is None:
             self._sums = [s.to(_accumulation_dtype(s.dtype)) for s in got.sums]
