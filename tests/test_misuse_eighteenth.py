@@ -6,7 +6,10 @@ A forward and its backward run in a second thread while the model is hooked, a f
 backpropagated in the main thread, two threads whose forwards and backwards interleave (of one
 batch size: their ``grad1`` add up, as ``.grad`` does; of two: the second backward refused,
 naming the parameter and both shapes), a forward with grad on of another batch run in a second
-thread between the main thread's forward and backward, a ``paused()`` block held open by another
+thread between the main thread's forward and backward, a forward started in one thread while
+another thread's runs (found: the two were followed in one stack of forwards, the first's
+backward refused or, under ``no_grad`` with ``verify=False``, its ``grad1`` mixed in silence;
+the second is now refused at once), a ``paused()`` block held open by another
 thread (the process's switch: every thread's capture is off, the DP step refused, ``check``
 saying so), hooks added in one thread and removed in another, also under bfloat16 autocast
 (which is each thread's own); hooks on a model Opacus' ``GradSampleModule`` wraps, or wrapped
@@ -18,7 +21,9 @@ layer and used outside it (refused, naming the layer and the parameter); a layer
 called directly, past its hooks; an encoder run on the batch and on class prototypes (of
 another size, or of the batch's), or on a second batch (refused); two views of the batch in one
 loss and two losses given to ``torch.autograd.backward`` at once; ``channels_last``, transposed
-and expanded inputs, inputs that require grad or are parameters, inputs given by keyword; a
+and expanded inputs, inputs that require grad or are parameters, a mask with no batch given
+before the batch by keyword (refused; the message now names the input the batch was taken
+from and says to pass the batch first) and the batch given first; a
 backward restricted by ``inputs=`` or ``torch.autograd.grad`` over some of the parameters; a
 backward with ``create_graph=True`` or under anomaly detection. Each gives the documented
 meaning, compared in float64 with each example's own gradient by the per-example loop
@@ -220,6 +225,96 @@ def test_a_forward_of_another_batch_in_a_second_thread_between_forward_and_backw
             _assert_near(model, want, "another thread's forward between")
         else:
             _assert_loop(model, want, "another thread's forward between")
+
+
+class Gated(Smoothed):
+    """:class:`Smoothed` whose forward, in a thread named in ``gates``, waits between its two
+    layers until that thread's gate (an event) is opened, ``inside[name]`` set when it gets
+    there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[str, threading.Event] = {}
+        self.inside: dict[str, threading.Event] = {}
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        name = threading.current_thread().name
+        if name in self.gates:
+            self.inside[name].set()
+            self.gates[name].wait(timeout=10)
+        return self.head(h)
+
+
+SECOND_CALLS = {
+    "the model": lambda m, x: m(x),
+    "the model under no_grad": lambda m, x: torch.no_grad()(m)(x),
+    "one layer called on its own": lambda m, x: m.l1(x),
+}
+
+
+@pytest.mark.parametrize("ends", ["before the first", "after the first"])
+@pytest.mark.parametrize("second", list(SECOND_CALLS))
+def test_a_forward_started_while_another_threads_forward_runs_is_refused(second, ends):
+    """Thread A's forward is half done (its first layer ran) when thread B runs the model,
+    under ``torch.no_grad()`` or not, or calls ``model.l1`` on its own, B's forward to end
+    before A's or after it: the two cannot be told apart in the one stack of forwards (found:
+    where B's ended after A's, A's end took B's place, torch stopped B with a
+    ``RuntimeError`` from the tracker entered in one thread and left in the other, and A's
+    backward was refused, or, under ``no_grad`` with ``verify=False``, its ``grad1`` mixed in
+    silence). B's call is now refused at once with a ``StateError`` naming the module called
+    and saying to run the forwards one after the other, nothing changed; A's forward runs on,
+    and its backward, and the next step, are the loop's."""
+    model = Gated()
+    x, y = _batch(0)
+    other, _ = _batch(1, n=3)
+    want = _loop(Smoothed(), x, y)
+    outs: list[torch.Tensor] = []
+    refused: list[BaseException] = []
+
+    def b() -> None:
+        try:
+            SECOND_CALLS[second](model, other)
+        except gradhooks.GradhooksError as e:
+            refused.append(e)
+
+    for name in ("A", "B"):
+        model.gates[name], model.inside[name] = threading.Event(), threading.Event()
+    with gradhooks.add_hooks(model, verify=False):
+        a = threading.Thread(target=lambda: outs.append(model(x)), name="A")
+        a.start()
+        try:
+            assert model.inside["A"].wait(timeout=10)
+            before = model_state(model)
+            tb = threading.Thread(target=b, name="B")
+            tb.start()
+            if ends == "before the first":
+                model.gates["B"].set()
+                tb.join()
+                model.gates["A"].set()
+            else:
+                while tb.is_alive() and not model.inside["B"].wait(timeout=0.01):
+                    pass  # (B refused, or waiting at its gate)
+                model.gates["A"].set()
+                a.join()
+                model.gates["B"].set()
+                tb.join()
+        finally:
+            for gate in model.gates.values():
+                gate.set()
+            a.join()
+        model.gates.clear()
+        assert len(refused) == 1, "B's call went through"
+        assert type(refused[0]) is gradhooks.StateError, refused[0]
+        named = "'l1' (Linear)" if second == "one layer called on its own" else "(Gated)"
+        for part in [named, "another", "one after the other"]:
+            assert part in str(refused[0]), (part, str(refused[0]))
+        assert_untouched(model, before)
+        F.cross_entropy(outs[0], y).backward()
+        _assert_loop(model, want, "A's forward, run on")
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        _assert_loop(model, want, "the next forward")
 
 
 @contextlib.contextmanager
