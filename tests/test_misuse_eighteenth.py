@@ -17,7 +17,9 @@ by it after; on an ``nn.DataParallel`` or a ``torch.compile`` wrapper, then on t
 (refused); a deep copy of the hooked model made inside the block (an EMA copy: not hooked, and
 said so); a layer added, a layer deleted, a buffer made a parameter, a bias given to a layer built
 without one, or a parametrization registered after ``add_hooks``; a parameter registered on a
-layer and used outside it (refused, naming the layer and the parameter); a layer's ``forward``
+layer and used outside it (refused, naming the layer and the parameter); a parameter shared
+by two layers of different rules (an embedding tied to the output, a conv's and a linear's
+bias); a layer's ``forward``
 called directly, past its hooks; an encoder run on the batch and on class prototypes (of
 another size, or of the batch's), or on a second batch (refused); two views of the batch in one
 loss and two losses given to ``torch.autograd.backward`` at once; ``channels_last``, transposed
@@ -624,6 +626,71 @@ def test_a_parameter_registered_on_a_layer_after_add_hooks_and_used_outside_it_i
             if p.requires_grad:
                 close(p.grad1, want[n], f"{n}, the scale frozen")
         assert "grad1" not in model.l1.scale.__dict__
+
+
+class TiedHead(nn.Module):
+    """An embedding (7 tokens, 4 features), a Linear and a tanh, and an output Linear whose
+    weight is the embedding's (tied), averaged over the 3 tokens: float64, seeded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid = nn.Embedding(7, 4), nn.Linear(4, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.emb.weight
+        self.to(D)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mid(self.emb(ids)))).mean(1)
+
+
+class SharedBias(nn.Module):
+    """A Conv1d (kernel 1, averaged over length 3) and a Linear on the length's mean, added,
+    which share one bias: float64, seeded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.lin = nn.Conv1d(4, 4, 1), nn.Linear(4, 4)
+        self.conv.bias = self.lin.bias
+        self.to(D)
+
+    def forward(self, x):
+        return self.conv(x).mean(2) + self.lin(x.mean(2))
+
+
+@pytest.mark.parametrize("low", [False, True], ids=["float64", "bfloat16 autocast"])
+@pytest.mark.parametrize(
+    "shared", ["an embedding tied to the output", "a conv's and a linear's bias"]
+)
+def test_a_parameter_shared_by_two_layers_of_different_rules(shared, low):
+    """One parameter used by two layers whose rules differ (an ``nn.Embedding``'s weight as an
+    output ``nn.Linear``'s, a bias shared by an ``nn.Conv1d`` and an ``nn.Linear``): its
+    ``grad1`` is the sum of both uses per example, the loop's, in float64 and within
+    bfloat16's rounding under autocast."""
+    g = torch.Generator().manual_seed(5)
+    if shared == "an embedding tied to the output":
+        model, x, y = (
+            TiedHead(),
+            torch.randint(7, (5, 3), generator=g),
+            torch.randint(7, (5,), generator=g),
+        )
+    else:
+        model = SharedBias()
+        x, y = torch.randn(5, 4, 3, generator=g, dtype=D), torch.randint(4, (5,), generator=g)
+    assert len(list(model.parameters())) == 3
+    want = _loop(model, x, y)
+    if low:
+        model = model.float()
+        x = x.float() if x.is_floating_point() else x
+    with gradhooks.add_hooks(model):
+        with _autocast(low):
+            out = model(x)
+        F.cross_entropy(out.float() if low else out, y).backward()
+        if low:
+            _assert_near(model, want, shared)
+        else:
+            _assert_loop(model, want, shared)
 
 
 class Direct(Smoothed):
