@@ -18,6 +18,7 @@ import copy
 import functools
 import inspect
 import sys
+import threading
 import types
 import warnings
 import weakref
@@ -35,9 +36,11 @@ from ..autocast import autocast_state, cast_versions
 from ..errors import (
     BatchNotFoundError,
     GradhooksWarning,
+    StateError,
     UnbatchedInputError,
     UnsupportedError,
     UnsupportedInputError,
+    describe_module,
 )
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, ModuleState
@@ -819,7 +822,30 @@ class ForwardCapture:
     def on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if module is not self.state.model:
             return None  # a copy
+        self.refuse_concurrent(module)
         return self._open_planned(module, args, kwargs)[1]
+
+    def refuse_concurrent(self, module: nn.Module) -> None:
+        """A forward of the model (or of a module of it called on its own) started in one
+        thread while another thread's runs: both would be followed in the one stack of
+        forwards (a layer's call taken for the other's, the batch's tracker entered in one
+        thread and left in the other), and the first thread's backward refused or its
+        ``grad1`` mixed. Refused in the thread that starts second, before anything of it is
+        captured; the first runs on. (Not within a backward: activation checkpointing runs a
+        forward again in autograd's thread.)"""
+        frames = self.state.frames
+        if not frames or frames[-1].thread == threading.get_ident() or graph_task() != -1:
+            return
+        model = self.state.model
+        name = next((n for n, m in model.named_modules() if m is module), None) if model else None
+        owner = frames[-1].owner
+        raise StateError(
+            f"{describe_module(name or None, module)}: called in one thread while a forward "
+            f"of the hooked model ({type(owner).__qualname__}) runs in another: gradhooks follows one forward of a hooked model at a time. Run the "
+            "forwards (and their backwards) one after the other, a threading.Lock held "
+            "across each, or give the other thread a copy of the model (copy.deepcopy, not "
+            "hooked). Nothing of this call was captured; the other thread's forward runs on."
+        )
 
     def _open_planned(
         self, module: nn.Module, args: tuple, kwargs: dict
@@ -856,6 +882,8 @@ class ForwardCapture:
         ref = weakref.ref(module)
 
         def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+            if m is ref():
+                self.refuse_concurrent(m)
             # (not during a backward: activation checkpointing running a block again)
             if not self.state.frames and m is ref() and graph_task() == -1:
                 replanned, given = self._open_planned(m, args, kwargs)
@@ -979,8 +1007,11 @@ class ForwardCapture:
             tracker.finish()
 
     def on_root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self.state.frames or self.state.frames[-1].owner is not module:
+        frames = self.state.frames
+        if not frames or frames[-1].owner is not module:
             return  # (a copy; an entry called inside the model's forward)
+        if frames[-1].thread != threading.get_ident():
+            return  # (a call refused as another thread's forward ran: refuse_concurrent)
         frame = self.state.frames.pop()
         tracker = frame.tracker
         self.stop_tracker(frame)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -94,6 +95,9 @@ class Frame:
     states: list[CallState]
     grad_enabled: bool = True
     owner: Any = None  # the module whose call it is (the root, or an entry: _entry_hooks)
+    # the thread that runs it (a forward of the model started in another thread meanwhile is
+    # refused: ForwardCapture.refuse_concurrent)
+    thread: int = field(default_factory=threading.get_ident)
     sizes: set[int] = field(default_factory=set)  # dims 0, 1 of its tensor inputs and outputs
     seen: dict[int, str] = field(default_factory=dict)  # batch sizes the layers saw -> a layer
     tracker: Tracker | None = None  # follows the batch through this forward

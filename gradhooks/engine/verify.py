@@ -759,8 +759,9 @@ class Verifier:
         if not mixed or any(lay is not None and lay is not MIXED for lay in lays):
             return  # (an output that keeps the examples, or whose layout was lost)
         ops = tracker.mixing()
+        first = "" if tracker.given_shape is None else f", of shape {tracker.given_shape}"
         where = (
-            "dimension 0 of its first input"
+            f"dimension 0 of its first tensor input{first}"
             if self.state.batch_dim == "auto"
             else (f"dimension {self.state.batch_dim}")
         )
@@ -768,7 +769,9 @@ class Verifier:
         raise MixedExamplesError(
             f"{type(module).__qualname__}: its output ({shapes}) mixes the {tracker.batch} examples that gradhooks took from {where} "
             f"({ops}), so per-example gradients do not exist. If the model's batch is another "
-            "dimension (a sequence-first model), say which with add_hooks(model, batch_dim=k)."
+            "dimension (a sequence-first model), say which with add_hooks(model, batch_dim=k); "
+            "if it is another input (a mask or a table passed before the batch), pass the batch "
+            "first."
         )
 
     @staticmethod
