@@ -311,6 +311,92 @@ def test_several_weight_noise_samples_through_functional_call_in_one_loss(k, ver
             optimizer.step()
 
 
+@pytest.mark.parametrize(
+    "how", ["two micro-batches", "both forwarded first", "autograd.grad", "retained graph"]
+)
+def test_weight_noise_samples_through_functional_call_in_other_backwards(how):
+    """Three weight-noise samples per forward, the loss backpropagated otherwise: over two
+    micro-batches, both forwarded before their backwards (run in reverse), by
+    ``torch.autograd.grad`` assigned to ``.grad``, or twice through a retained graph (the
+    second of half the loss). ``grad1`` is the loop's rows as ``.grad`` adds them up: the sum
+    of the micro-batches' halves, the one backward's, or 1.5 times it."""
+    model = WeightNoise(3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = 2 if how in ("two micro-batches", "both forwarded first") else 1
+    with gradhooks.add_hooks(model.net):
+        for step in range(3):
+            optimizer.zero_grad()
+            wants, losses = [], []
+            for m in range(micro):
+                model.draw(10 * step + m)
+                x, y = batch(10 * step + m)
+                wants.append(loop_grad(copy.deepcopy(model), over_samples, x, y))
+                losses.append(over_samples(model(x), y) / micro)
+                if how == "two micro-batches":
+                    losses.pop().backward()
+            want = {n: sum(w[n] for w in wants) / micro for n in wants[0]}
+            if how == "both forwarded first":
+                for loss in reversed(losses):
+                    loss.backward()
+            elif how == "autograd.grad":
+                params = list(model.parameters())
+                for p, g in zip(params, torch.autograd.grad(losses[0], params), strict=True):
+                    p.grad = g
+            elif how == "retained graph":
+                losses[0].backward(retain_graph=True)
+                (0.5 * losses[0]).backward()
+                want = {n: 1.5 * w for n, w in want.items()}
+            assert assert_step(model, want, f"step {step}") == 6
+            optimizer.step()
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_weight_noise_samples_through_functional_call_into_the_dp_step(k):
+    """The weight-noise loss above, each example's the mean over the ``k`` samples, given to
+    the DP step (no noise of its own): it clips each example's gradient of that mean over every
+    parameter and returns the norms, the loop's, at every step (refused before, as no call
+    had written those parameters' rows)."""
+    model = WeightNoise(k)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model.net) as h:
+        for step in range(3):
+            model.draw(step)
+            x, y = batch(step)
+            want = loop_grad(copy.deepcopy(model), over_samples, x, y)
+            optimizer.zero_grad()
+            out = model(x)
+            losses = F.cross_entropy(out.flatten(0, 1), y.repeat_interleave(k), reduction="none")
+            norms = gradhooks.dp_sgd_step(
+                h, losses.view(4, k).mean(1), max_norm=0.5, noise_multiplier=0.0
+            )
+            assert_close(norms, norms_of(want), f"step {step}: the DP step's norms")
+            means = clipped(want, 0.5)
+            for n, p in model.named_parameters():
+                assert_close(p.grad, means[n], f"step {step}: the DP step's {n}")
+            optimizer.step()
+
+
+def test_weight_noise_samples_through_functional_call_under_bfloat16_autocast():
+    """Two weight-noise samples in one loss, the network float32 and its forwards under
+    bfloat16 autocast: ``grad1`` is each example's own gradient of the mean over the samples
+    (the float64 loop's), within bfloat16's rounding, at every step."""
+    model = WeightNoise(2).to(F32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradhooks.add_hooks(model.net):
+        for step in range(3):
+            model.draw(step)
+            reference = copy.deepcopy(model).to(D)
+            model.noise = [{n: t.to(F32) for n, t in noise.items()} for noise in model.noise]
+            x, y = batch(step, dtype=F32)
+            want = loop_grad(reference, over_samples, x.to(D), y)
+            optimizer.zero_grad()
+            with autocast(True):
+                out = model(x)
+            over_samples(out.float(), y).backward()
+            assert assert_step(model, want, f"step {step}", rel=BF16) == 6
+            optimizer.step()
+
+
 class Ensemble(nn.Module):
     """Three members' weights stacked (``stack_module_state``) as parameters of the ensemble,
     ``stacked[name][i]`` run through one frozen skeleton by ``functional_call``; the members'
