@@ -698,11 +698,13 @@ def test_an_early_exit_network_whose_exits_each_step_picks(set_to_none):
     """Deep supervision with early exits: each step trains the exits it picks (the mean of
     their losses), the layers past the last picked exit not run. A layer or an exit the step
     does not reach has no ``grad1`` after ``zero_grad()``, and zeros after
-    ``zero_grad(set_to_none=False)``, as its ``.grad``; every other ``grad1`` is the loop's."""
+    ``zero_grad(set_to_none=False)``, as its ``.grad``; every other ``grad1`` is the loop's,
+    and ``check()`` finds nothing wrong (it took those zeros for a ``grad1`` of an earlier
+    backward, kept past a ``.grad`` zeroed since)."""
     model = Exits()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     picks = [(0, 1, 2), (0,), (1,), (0, 2)]
-    with gradhooks.add_hooks(model):
+    with gradhooks.add_hooks(model) as h:
         for step, exits in enumerate(picks):
             model.exits = exits
             x, y = batch(step)
@@ -720,6 +722,7 @@ def test_an_early_exit_network_whose_exits_each_step_picks(set_to_none):
                 else:
                     assert p.grad1.shape == (4, *p.shape) and not p.grad1.any(), f"{step}: {n}"
                     assert not p.grad.any(), f"step {step}: {n}"
+            assert not h.check(raise_on_error=False).problems, f"step {step}"
             optimizer.step()
 
 
