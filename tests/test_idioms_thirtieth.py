@@ -23,7 +23,7 @@ Cayley and Householder maps, with and without trivialization, inside a checkpoin
 cached; a hooked model in ``nn.DataParallel`` on the CPU; an embedding renormalized in its
 forward by ``max_norm``; a batch made under ``inference_mode``; a validation with
 ``requires_grad_(False)`` on the whole model; the model rounded through bfloat16 for an
-evaluation and cast back.
+evaluation and cast back; the even and the odd examples run through the model apart.
 
 Every ``grad1`` is compared at every step with each example's own gradient by a per-example loop
 in float64 (:func:`gradhooks.oracle.loop_grad`) of the weights the forward used, exactly in
@@ -32,14 +32,17 @@ for bfloat16, ``1e-2`` for float16, as ``docs/mixed-precision.md`` states), divi
 scale where the loss was scaled; its mean with ``.grad`` (times the factor a hook put on it);
 the DP step's ``.grad`` and norms with the clipped mean of those rows.
 
-One false refusal, silently wrong without the check, was found and fixed: a loss over several
-``functional_call``\\ s of the model, each given tensors computed from its parameters
-(``p + noise``) or from one stacked tensor (``stacked[i]``), planned the hooks again at each
-call, and the backward lost the earlier calls' share on its way to the parameters: refused by
-the check of the sums (naming weight decay as a likely cause), and wrong with
-``verify=False``. Those calls' shares now go on to the tensors their weights were made from. An
-orthogonal parametrization inside a reentrant checkpoint is refused, naming the
-parametrization, where the loop has its gradients: a strict xfail saying why."""
+Found and fixed: a loss over several ``functional_call``\\ s of the model, each given tensors
+computed from its parameters (``p + noise``) or from one stacked tensor (``stacked[i]``),
+planned the hooks again at each call, and the backward lost the earlier calls' share on its
+way to the parameters: refused by the check of the sums (naming weight decay as a likely
+cause), or by the DP step, and wrong with ``verify=False``; those calls' shares now go on to
+the tensors their weights were made from. The even and the odd examples run through the
+model apart (``x[0::2]``, ``x[1::2]``) in one backward had ``grad1`` add them up two by two,
+in silence: refused now, as ``x.chunk(2)`` is. And ``check()`` took the zeros a backward gives
+a parameter it does not reach after ``zero_grad(set_to_none=False)`` for a ``grad1`` of an
+earlier backward. An orthogonal parametrization inside a reentrant checkpoint is refused,
+naming the parametrization, where the loop has its gradients: a strict xfail saying why."""
 
 from __future__ import annotations
 
@@ -395,6 +398,55 @@ def test_weight_noise_samples_through_functional_call_under_bfloat16_autocast():
             over_samples(out.float(), y).backward()
             assert assert_step(model, want, f"step {step}", rel=BF16) == 6
             optimizer.step()
+
+
+class Alternate(WeightNoise):
+    """The even examples through one noise sample, the odd ones through the other
+    (``x[0::2]``, ``x[1::2]``), or through the network itself where ``noisy`` is false; the
+    logits put back in the batch's order."""
+
+    def __init__(self, noisy: bool) -> None:
+        super().__init__(2)
+        self.noisy = noisy
+
+    def forward(self, x):
+        outs = []
+        for j, noise in enumerate(self.noise):
+            part = x[j::2]
+            if self.noisy:
+                weights = {n: p + noise[n] for n, p in self.net.named_parameters()}
+                outs.append(functional_call(self.net, weights, (part,)))
+            else:
+                outs.append(self.net(part))
+        return torch.stack(outs, 1).flatten(0, 1)  # (rows 0, 1, 2, 3: even, odd, even, odd)
+
+
+@pytest.mark.parametrize("step", ["backward", "dp"])
+@pytest.mark.parametrize("noisy", [False, True], ids=["the network", "a noise sample each"])
+def test_the_even_and_odd_examples_run_apart_in_one_backward_are_refused(noisy, step):
+    """The even and the odd examples of the batch run through the hooked network apart
+    (``net(x[0::2])``, ``net(x[1::2])``, each through its own weight-noise sample or not), the
+    logits put back in order, one backward: row ``i`` of each forward is another example, and
+    ``grad1`` held the even and odd examples' gradients added up two by two, in silence (the
+    sum over the batch was right). The backward is now refused with a MixedExamplesError,
+    as for ``x.chunk(2)``, writing no gradient, and the next step, on the whole batch, is the
+    loop's."""
+    model = Alternate(noisy)
+    with gradhooks.add_hooks(model.net) as h:
+        model.draw(0)
+        x, y = batch(0)
+        with pytest.raises(gradhooks.MixedExamplesError):
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            if step == "dp":
+                gradhooks.dp_sgd_step(h, losses, max_norm=0.5, noise_multiplier=0.0)
+            else:
+                losses.mean().backward()
+        for n, p in model.named_parameters():
+            assert p.grad is None and "grad1" not in p.__dict__, n
+        x, y = batch(1)
+        want = loop(model.net, x, y)
+        ce(model.net(x), y).backward()
+        assert_step(model.net, want, "the whole batch after")
 
 
 class Ensemble(nn.Module):
