@@ -518,11 +518,16 @@ class BackwardWriter:
         if a is None:
             return
         of = "" if a.shape is None else f" of one tensor of shape {a.shape}"
+
+        def rows(r) -> str:
+            every = f" every {r.every}" if r.every != 1 else ""
+            return f"rows {r.first} to {r.first + (r.count - 1) * r.every}{every}"
+
         raise MixedExamplesError(
             "gradhooks: one backward reached two forwards of the model on other examples of "
-            f"one batch: the call of {first} in the one on rows {a.first} to "
-            f"{a.first + a.count - 1}, of {second} in the one on rows {b.first} to "
-            f"{b.first + b.count - 1}{of} (x.chunk(2), x[:n] and x[n:]). Row i of each forward "
+            f"one batch: the call of {first} in the one on {rows(a)}, of {second} in the one "
+            f"on {rows(b)}{of} (x.chunk(2), x[:n] and x[n:], x[0::2] and x[1::2]). Row i of "
+            "each forward "
             "is taken for the same example, so grad1 would add the chunks' examples together; "
             "no grad1 was written. Run the model on the whole batch, or take one backward per "
             "chunk and read grad1 after each (h.clear() then, and torch.cat the grad1s: "

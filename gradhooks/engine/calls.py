@@ -408,13 +408,14 @@ class Rows(NamedTuple):
     first: int  # the index of its first example on that tensor's batch dimension
     count: int  # its examples
     shape: tuple[int, ...] | None  # that tensor's shape, where it is a view
+    every: int = 1  # the step between its examples there (x[1::2]: 2)
 
 
 def rows_in_memory(t: Tensor, dim: int) -> Rows | None:
     """Which examples of the tensor whose memory ``t`` views ``t`` holds on its dimension
     ``dim``: two forwards of one backward whose inputs view one tensor at other indices of its
-    batch dimension hold other examples of one batch (``x.chunk(2)``, ``x[:4]`` and ``x[4:]``),
-    where two on the same rows (``x[:, 0]`` and ``x[:, 1]``: two views of each example) hold the
+    batch dimension hold other examples of one batch (``x.chunk(2)``, ``x[:4]`` and ``x[4:]``,
+    ``x[0::2]`` and ``x[1::2]``), where two on the same rows (``x[:, 0]`` and ``x[:, 1]``: two views of each example) hold the
     same ones. ``None`` where that cannot be told: an empty ``t``, a batch without a stride of
     its own, memory that overlaps, a tensor without strides or memory (sparse, fake)."""
     if t.layout is not torch.strided or type(t) is not Tensor and not isinstance(t, nn.Parameter):
@@ -438,23 +439,29 @@ def rows_in_memory(t: Tensor, dim: int) -> Rows | None:
         return None
     first = None
     strides = sorted((s for s, n in zip(ref.stride(), ref.shape) if n > 1), reverse=True)
+    # (the viewed tensor's stride of the batch: the largest of its strides that the batch's
+    # is a multiple of, every so many of its examples where ``t`` is a strided slice)
+    batch = next((s for s in strides if s and step % s == 0), step)
     for i, s in enumerate(strides):  # (the largest first)
         if s == 0 or (i and s == strides[i - 1]):
             return None  # (memory that overlaps: no one index per entry)
         index, offset = divmod(offset, s)
-        if s == step:
+        if s == batch:
             first = index
     if offset or first is None:
         return None
     shape = None if base is None else tuple(base.shape)
-    return Rows((start, t.dtype, ref.stride(), step), first, t.shape[dim], shape)
+    return Rows((start, t.dtype, ref.stride(), batch), first, t.shape[dim], shape, step // batch)
 
 
 def other_rows(a: Rows, b: Rows) -> bool:
     """Whether two forwards' rows are other examples of one batch (:func:`rows_in_memory`).
     Not where each has one row: a policy called on each state of an episode (``states[t :
-    t + 1]``), whose gradients add up to the episode's, one example."""
-    return a.memory == b.memory and a.first != b.first and (a.count > 1 or b.count > 1)
+    t + 1]``), whose gradients add up to the episode's, one example. Row ``i`` of each is
+    example ``first + i * every`` of the tensor both view."""
+    if a.memory != b.memory or (a.count < 2 and b.count < 2):
+        return False
+    return a.first != b.first or (a.every != b.every and min(a.count, b.count) > 1)
 
 
 def describe_call(call: Call) -> str:

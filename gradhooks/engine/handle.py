@@ -513,7 +513,9 @@ class Hooks:
         then is. Returns the ids of those frozen since, which are not hooked: autograd
         leaves their ``.grad`` as it was, and so the backward leaves their ``grad1``."""
         state, frozen = self._state, set()
-        for pid in pids:
+        pending = list(pids)
+        while pending:
+            pid = pending.pop()
             found = state.dropped.pop(pid, None)
             if found is None or pid in state.params or pid in state.sharded:
                 continue
@@ -530,6 +532,13 @@ class Hooks:
             _torch.put_tensor_hook_first(p, handle.id)
             self._target_handles.append(handle)
             self._hook_accumulator(pid, name, p)
+            if p.grad_fn is not None:
+                # a tensor computed from others in the slot (an earlier functional_call's
+                # p + noise, in the same loss as a later one's): its grad1 goes on to the
+                # tensors it was made from, as where the plan had it (_install)
+                pending.extend(id(q) for q in leaves_of(p))
+                handle = p.register_hook(self._derived_hook(pid, weakref.ref(p)))
+                self._target_handles.append(handle)
         return frozen
 
     def _hook_accumulator(self, pid: int, name: str, p: nn.Parameter) -> None:
@@ -655,9 +664,17 @@ class Hooks:
         _note_rule_less(self._state)
         self._install(model)
         params = self._state.params
+        # (weakly: a layer swapped out goes with its parameters); those an earlier planning
+        # dropped stay while alive: a third functional_call in one loss replans again before
+        # the backward reaches the first's calls
         self._state.dropped = {
-            pid: (name, weakref.ref(p)) for pid, (name, p) in before.items() if pid not in params
-        }  # (weakly: a layer swapped out goes with its parameters)
+            pid: found
+            for pid, found in self._state.dropped.items()
+            if pid not in params and found[1]() is not None
+        }
+        self._state.dropped.update(
+            (pid, (name, weakref.ref(p))) for pid, (name, p) in before.items() if pid not in params
+        )
         # tensors new in the slots (functional_call's, with hooks added around each
         # micro-batch) go on from the grad1 earlier hooks left them, as the parameters do
         state = self._state

@@ -1285,7 +1285,10 @@ def check_hooks(
         bad = ~torch.isfinite(g1.flatten(1)).all(1) if g1.dim() > 1 else ~torch.isfinite(g1)
         if bad.any():
             report.nonfinite[name] = bad.nonzero().flatten().tolist()
-        if id(p) in reset:
+        if id(p) in reset and not (p.grad is not None and not g1.any() and not p.grad.any()):
+            # (zeros in both agree, whichever backward left them: the zeros a backward gives
+            # a parameter it did not reach after zero_grad(set_to_none=False) look as a
+            # .grad zeroed through .data after it does)
             report.problems.append(
                 f"'{name}': grad1 is of an earlier backward: .grad was reset since (zero_grad) "
                 "and no backward since reached the hooked model (a loss of other parameters "
