@@ -415,8 +415,8 @@ def rows_in_memory(t: Tensor, dim: int) -> Rows | None:
     """Which examples of the tensor whose memory ``t`` views ``t`` holds on its dimension
     ``dim``: two forwards of one backward whose inputs view one tensor at other indices of its
     batch dimension hold other examples of one batch (``x.chunk(2)``, ``x[:4]`` and ``x[4:]``,
-    ``x[0::2]`` and ``x[1::2]``), where two on the same rows (``x[:, 0]`` and ``x[:, 1]``: two views of each example) hold the
-    same ones. ``None`` where that cannot be told: an empty ``t``, a batch without a stride of
+    ``x[0::2]`` and ``x[1::2]``), where two on the same rows (``x[:, 0]`` and ``x[:, 1]``: two
+    views of each example) hold the same ones. ``None`` where that cannot be told: an empty ``t``, a batch without a stride of
     its own, memory that overlaps, a tensor without strides or memory (sparse, fake)."""
     if t.layout is not torch.strided or type(t) is not Tensor and not isinstance(t, nn.Parameter):
         return None
