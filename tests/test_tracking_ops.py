@@ -331,6 +331,29 @@ def test_rows_indexed_by_a_range_keep_their_examples():
         assert as_range == _layout_of(lambda q, r=r: q[list(r), actions[: len(r)]], [q], 0), r
 
 
+def test_batch_norm_of_chunks_of_the_batch_by_its_running_statistics():
+    """A batch norm applied to chunks of the batch (TabNet's ghost batch norm, ``torch.cat`` of
+    ``bn(chunk)`` over ``x.chunk(k)``): by its running statistics each row is normalized alone,
+    and followed; by the chunk's own statistics (training, or no running statistics) each
+    chunk's rows are mixed."""
+    mean, var = torch.randn(4, dtype=D), torch.rand(4, dtype=D) + 0.5
+
+    def ghost(training: bool, running: bool = True):
+        def f(x):
+            chunks = x.chunk(2, 0)
+            stats = (mean, var) if running else (None, None)
+            return torch.cat([F.batch_norm(c, *stats, training=training) for c in chunks], 0)
+
+        return f
+
+    x = torch.randn(4, 4, dtype=D)
+    assert ownership(ghost(False), [x], 0) == ("followed", [])
+    assert _layout_of(ghost(False), [x], 0) is not MIXED
+    for f in (ghost(True), ghost(True, running=False)):
+        claim, problems = ownership(f, [x], 0)
+        assert not problems and claim == "mixed"
+
+
 def test_resize_in_place_is_not_followed():
     x = torch.randn(2, 3, dtype=D)
     claim, problems = ownership(lambda x: x.resize_(3, 3), [x], 1)
