@@ -27,7 +27,7 @@ from ..loop import per_example
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
-from ..tracking.layout import sole_owner
+from ..tracking.layout import owned, sole_owner
 from .plan import Target
 from .records import CallLayout, CallState, Frame, args_leaves, tree_leaves, with_fields
 from .state import CaptureState
@@ -264,6 +264,24 @@ def _carried(new: P.Piece, old: P.Piece) -> P.Piece:
         if old.input_scale:
             new.input_scale = old.input_scale
     return new
+
+
+def _packed_in_order(args: tuple, kwargs: dict, tracker: Tracker) -> Layout | None:
+    """Where a layer is given a PackedSequence without ``sorted_indices`` of the batch the
+    model put in another order before packing it (ESIM's and many text models' encoders sort
+    the batch by length, ``index_select``, then ``pack_padded_sequence`` with
+    ``enforce_sorted=True``): its rule's rows, its padded examples in the order they were
+    packed, as rows picked from the batch (row ``r`` example ``order[r]``); ``None`` for a
+    PackedSequence in the batch's order, or one whose ``sorted_indices`` put its rows back."""
+    whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))[0]
+    packed = [a for a in whole if isinstance(a, PackedSequence)]
+    if len(packed) != 1 or packed[0].sorted_indices is not None:
+        return None
+    order = tracker.packed_orders.get(packed[0].batch_sizes)
+    if order is None:
+        return None
+    rows = owned(0, order, Layout(0), tracker.batch)
+    return rows if rows.owners is not None else None
 
 
 def _owned_pieces(pieces: dict, params: dict, layout: CallLayout) -> dict[str, P.Piece | None]:
@@ -781,6 +799,10 @@ class CallLayouts:
             lout = tuple([tracker.layout(t) for t in outs])
         if first.owners is not None or target.entry is FALLBACK:
             tracker.note_placed(target.module, target.where, _shapes(args, kwargs), lin)
+        if first is PACKED and target.entry is not FALLBACK:
+            packed = _packed_in_order(args, kwargs, tracker)
+            if packed is not None:
+                return CallLayout("owners", batch, packed, lin, lout, root=root)
         if first is PACKED or target.entry is FALLBACK:
             return CallLayout("plain", batch, first, lin, lout, root=root)
         dim = target.entry.batch_dim_of(target.module)
