@@ -166,9 +166,11 @@ def rule_pieces(
     if target.entry is FALLBACK:
         if layout is None:
             return rule(call)
+        shares = frozenset(i for i, s in enumerate(layout.sources) if s is not None)
         batch = CallBatch(
-            layout.batch, layout.inputs, layout.outputs, layout.kind == "shared", frozenset(params)
-        )
+            layout.batch, layout.inputs, layout.outputs, layout.kind == "shared", frozenset(params),
+            shares=shares if layout.kind != "shared" else frozenset(),
+        )  # fmt: skip
         return rule(with_fields(call, batch=batch))
     if layout is None or layout.kind in ("plain", "unknown"):
         return rule(call)
@@ -264,6 +266,27 @@ def _carried(new: P.Piece, old: P.Piece) -> P.Piece:
         if old.input_scale:
             new.input_scale = old.input_scale
     return new
+
+
+def _shared_outputs(
+    target: Target, outs: list, lout: tuple, grads: list, tracker: Tracker
+) -> tuple:
+    """A call of a module without a rule on inputs with examples, some of whose outputs with
+    a gradient do not depend on them (Glow's ActNorm and invertible convolution, beside
+    their output, a log-determinant of their parameters alone, which every example's loss
+    adds): those outputs become the tracker's sources, as a shared call's do, so that each
+    example's share of their gradient is found where they meet the batch. Per output leaf,
+    its :class:`Source` (or ``None``); ``()`` where there is none."""
+    found = [
+        Source(target.name, t.shape)
+        if lay is None and isinstance(t, Tensor) and any(t is g for g in grads)
+        else None
+        for t, lay in zip(outs, lout)
+    ]
+    for t, s in zip(outs, found):
+        if s is not None:
+            tracker.add_source(t, s)
+    return tuple(found) if any(s is not None for s in found) else ()
 
 
 def _packed_in_order(args: tuple, kwargs: dict, tracker: Tracker) -> Layout | None:
@@ -804,7 +827,10 @@ class CallLayouts:
             if packed is not None:
                 return CallLayout("owners", batch, packed, lin, lout, root=root)
         if first is PACKED or target.entry is FALLBACK:
-            return CallLayout("plain", batch, first, lin, lout, root=root)
+            layout = CallLayout("plain", batch, first, lin, lout, root=root)
+            if target.entry is FALLBACK and first is not PACKED:
+                layout.sources = _shared_outputs(target, outs, lout, grads, tracker)
+            return layout
         dim = target.entry.batch_dim_of(target.module)
         if first.owners is not None:
             want = 0 if dim == "positions" else dim
