@@ -1,5 +1,5 @@
 """A tenth round of other projects' models, each trained a few steps with gradhooks and checked
-at every step against the float64 per-example loop; and four training scripts' loops.
+at every step against the float64 per-example loop; and five training scripts' loops.
 
 Each model is a small excerpt of a public project's model code, rewritten in plain torch (each
 class cites the repository and file it follows), at a tiny configuration: language models
@@ -10,7 +10,8 @@ upsampling and dice loss, EfficientDet's BiFPN with its fusion weights normalize
 ResMLP's affine layers, MAE's per-image random masking by argsort and ``gather``, DiT's adaLN
 modulation), generative models (VQ-VAE's codebook by ``scatter_`` and the straight-through
 estimator, AdaIN's style transfer through a frozen encoder, HiFi-GAN's ``weight_norm``
-generator), reinforcement learning (Rainbow's noisy dueling distributional network, each
+generator, Glow's ActNorm, LU-decomposed invertible convolutions and affine couplings),
+reinforcement learning (Rainbow's noisy dueling distributional network, each
 transition's action picked by ``log_ps[range(batch), actions]``), time series (RevIN around
 DLinear's per-channel Linears, iTransformer's variates as tokens), tabular and recommendation
 (TabNet's ghost batch norm, shared GLU blocks and sparsemax ``autograd.Function``, FiBiNET's
@@ -26,23 +27,26 @@ Each is built in float64 and training mode and trained three steps by AdamW unde
 mean loss, whose ``grad1`` and per-example norms must equal each example's own gradient at that
 step's weights (``rtol=1e-7``; ``1e-5`` where the model computes in float32 inside, as its
 authors wrote it), the second gradhooks' DP step, whose clipped ``.grad`` must equal the loop's:
-23 match. Ten of them are also trained under CPU bfloat16 autocast
+24 match. Eleven of them are also trained under CPU bfloat16 autocast
 (``test_lib_sweep_eighth.train_bf16``). Four whose examples meet (example 0's loss moves with the
 other examples' inputs) are refused by gradhooks' own error naming the layer, leaving the model,
 ``.grad``, ``grad1`` and the hooks as they were: TabNet and the U-Net with their batch norms in
 training, and Barlow Twins, also with its projector's batch norm made a GroupNorm (the
-cross-correlation's affine-free batch norm, without parameters, is left). Three of these models
+cross-correlation's affine-free batch norm, without parameters, is left). Four of these models
 once failed: Rainbow's ``range`` index was refused as mixing the examples
 (``tests/test_tracking_ops.py``); TabNet's ghost batch norm in eval mode, over chunks of the
 batch, was refused as in train mode (``tests/test_tracking_ops.py``); and ESIM's encoder,
 whose recurrent layer is given the batch in its sorted order, gave each example another's
 gradient: refused at the first backward by the check against autograd, but silently wrong at a
-later unchecked one where the first batches came sorted (``tests/test_layers_rnn.py``). Glow's
-log-determinants of its parameters alone are refused where the loop works (a strict xfail,
-with the reason).
+later unchecked one where the first batches came sorted (``tests/test_layers_rnn.py``); and
+Glow's layers, which have no rule and return beside their output a log-determinant of their
+parameters alone, were refused by the fallback, where each example's share of its gradient is
+now found where the forward adds it to the examples' own (``tests/test_stateful_forward.py``).
 
-Four training scripts' loops follow, with gradhooks where their users would put it and each
-step against the float64 loop: MoCo v2's queue and momentum encoder (updated inside the
+Five training scripts' loops follow, with gradhooks where their users would put it and each
+step against the float64 loop: llm.c's ``train_gpt2.py`` (decay groups, warmup and cosine
+decay, accumulated micro-steps of the loss inside the model over the micro-batch's counted
+tokens, the prompts' targets ignored, clipping); MoCo v2's queue and momentum encoder (updated inside the
 forward) under its SGD and cosine schedule; TD3's critic every iteration and its actor every
 second through the critic's ``Q1`` method, two hooked networks; word2vec's sparse embeddings
 under ``SparseAdam`` and a cosine schedule with the loss inside the model; and
@@ -2417,6 +2421,7 @@ MATCH = {
     "hifigan": hifigan,
     "conv-tasnet": conv_tasnet,
     "fnet": fnet,
+    "glow": glow,
 }
 
 REFUSED = {
@@ -2494,25 +2499,6 @@ def test_a_refusal_is_checked_to_be_right():
         assert_refused(fnet, gradhooks.MixedExamplesError, [])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=gradhooks.UnsupportedInputError,
-    reason=(
-        "Glow's InvConv2dLU and ActNorm have no rule and return, beside their output, a "
-        "log-determinant of their parameters alone, one number of no example that every "
-        "example's loss adds (logdet = logdet + det); gradhooks' fallback refuses a module "
-        "whose output that receives a gradient does not depend on the examples while its "
-        "inputs do, where the loop works: each example's share of that number's gradient is "
-        "its own loss's derivative by it, which the tracker would have to follow from where "
-        "the number is broadcast into the batch (as it does for a call whose inputs are all "
-        "batch-free, a 'shared' call), for a call that has batched outputs as well."
-    ),
-)
-def test_glow_log_determinant_of_the_parameters_alone():
-    """A false refusal: the log-determinants are each example's too, and the loop works."""
-    assert_trains_as_the_loop(glow)
-
-
 TRAINED = {
     "transformer-xl": (transformer_xl, "grad1"),
     "hyena": (hyena, "dp"),
@@ -2524,6 +2510,7 @@ TRAINED = {
     "efficientdet-bifpn": (efficientdet, "dp"),
     "fnet": (fnet, "grad1"),
     "conv-tasnet": (conv_tasnet, "grad1"),
+    "glow": (glow, "dp"),
 }
 
 
@@ -2949,3 +2936,140 @@ def test_denoising_diffusion_trainer_accumulation_clipping_and_ema_with_each_ima
                 for p_ema, p in zip(ema.parameters(), diffusion.parameters()):
                     p_ema.lerp_(p, 1 - 0.995)
     assert math.isfinite(total_loss)
+
+
+class NewGELU(nn.Module):
+    """karpathy/llm.c, ``train_gpt2.py``: ``NewGELU``, the tanh approximation written out."""
+
+    def forward(self, input):
+        return (
+            0.5
+            * input
+            * (
+                1.0
+                + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0)))
+            )
+        )
+
+
+class LLMCBlock(nn.Module):
+    """``train_gpt2.py``'s ``Block``: ``CausalSelfAttention`` by
+    ``F.scaled_dot_product_attention(is_causal=True)`` on a fused ``c_attn``, and the MLP with
+    ``NewGELU``, each after a LayerNorm."""
+
+    def __init__(self, n_embd=8, n_head=2):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), NewGELU(), nn.Linear(4 * n_embd, n_embd)
+        )
+
+    def attn(self, x):
+        B_, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B_, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B_, T, C))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class LLMCGPT(nn.Module):
+    """``train_gpt2.py``'s ``GPT``: token and position embeddings, the blocks, ``ln_f``, the
+    ``lm_head`` tied to ``wte``, and with targets the loss inside,
+    ``F.cross_entropy(..., ignore_index=-1)`` over the micro-batch's tokens."""
+
+    def __init__(self, vocab_size=13, block_size=8, n_embd=8, n_layer=2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(LLMCBlock(n_embd) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None, return_logits=True):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
+        return (logits if return_logits else None), loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        decay_params = [p for p in param_dict.values() if p.dim() >= 2]
+        nodecay_params = [p for p in param_dict.values() if p.dim() < 2]
+        optim_groups = [{"params": decay_params, "weight_decay": weight_decay},
+                        {"params": nodecay_params, "weight_decay": 0.0}]  # fmt: skip
+        return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas)
+
+
+def test_llmc_train_gpt2_accumulation_clipping_and_lr_schedule_with_prompts_ignored():
+    """karpathy/llm.c ``train_gpt2.py``'s loop: ``configure_optimizers``' decay groups,
+    ``get_lr``'s warmup and cosine decay to ``learning_rate_decay_frac``, ``grad_accum_steps``
+    micro-steps of ``loss = model(x, y, return_logits=False)[1] / grad_accum_steps`` and its
+    backward, ``clip_grad_norm_`` (the norm it returns logged), the step and
+    ``zero_grad(set_to_none=True)``; the targets of each sequence's prompt set to ``-1``
+    (ignored). The loss is the mean over the micro-batch's counted tokens, one number of the
+    batch dividing each sequence's sum: a user logs each sequence's gradient norm after each
+    micro-step and clears ``grad1`` (gradhooks' accumulation keeps the micro-batches apart so).
+    At each micro-step ``grad1`` and the norms are each sequence's own summed token loss over
+    the micro-batch's token count, times the batch size, against the float64 loop; ``.grad``
+    before the clipping is their mean over the micro-steps, and the clipping's norm is its."""
+    torch.manual_seed(0)
+    ACC, n, T, steps, max_lr, warmup = 2, 3, 6, 3, 3e-3, 2
+    model = LLMCGPT().to(D)
+    twin = copy.deepcopy(model)
+    optimizer = model.configure_optimizers(0.1, max_lr, (0.9, 0.95))
+
+    def get_lr(it, min_lr=max_lr * 0.1):
+        if it < warmup:
+            return max_lr * (it + 1) / warmup
+        decay_ratio = (it - warmup) / (steps - warmup)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (max_lr - min_lr)
+
+    g = torch.Generator().manual_seed(4)
+    with gradhooks.add_hooks(model, quantities=("grad1", "norms")) as h:
+        for step in range(steps):
+            follow(twin, model)
+            summed, lossf = {}, 0.0
+            for _ in range(ACC):
+                tokens = torch.randint(0, 13, (n, T + 1), generator=g)
+                x, y = tokens[:, :-1], tokens[:, 1:].clone()
+                y[torch.arange(T) < torch.tensor([1, 3, 2])[:, None]] = -1  # (the prompts)
+                counted = int((y != -1).sum())
+
+                def own(x1, y1, counted=counted):
+                    logits = twin(x1)[0]
+                    return F.cross_entropy(logits.view(-1, 13), y1.view(-1), ignore_index=-1,
+                                           reduction="sum") * n / counted / ACC  # fmt: skip
+
+                want = loop(twin, own, x, y)
+                _, loss = model(x, y, return_logits=False)
+                loss = loss / ACC
+                lossf += loss.detach()
+                loss.backward()
+                assert_all({k: p.grad1 for k, p in trainable(model).items()}, want, f"step {step}")
+                torch.testing.assert_close(h.norms(), flat(want).norm(dim=1), rtol=1e-9, atol=0)
+                for k, w in want.items():
+                    summed[k] = summed.get(k, 0) + w.mean(0)
+                h.clear()
+            assert_all({k: p.grad for k, p in trainable(model).items()}, summed, "the step's")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            assert float(norm) == pytest.approx(
+                float(flat({k: v[None] for k, v in summed.items()}).norm()), rel=1e-9
+            )
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = get_lr(step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            assert math.isfinite(float(lossf))
