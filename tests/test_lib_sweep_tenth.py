@@ -35,7 +35,7 @@ training, and Barlow Twins, also with its projector's batch norm made a GroupNor
 cross-correlation's affine-free batch norm, without parameters, is left). Four of these models
 once failed: Rainbow's ``range`` index was refused as mixing the examples
 (``tests/test_tracking_ops.py``); TabNet's ghost batch norm in eval mode, over chunks of the
-batch, was refused as in train mode (``tests/test_tracking_ops.py``); and ESIM's encoder,
+batch, was refused as in train mode (``tests/test_tracking_ops.py``); ESIM's encoder,
 whose recurrent layer is given the batch in its sorted order, gave each example another's
 gradient: refused at the first backward by the check against autograd, but silently wrong at a
 later unchecked one where the first batches came sorted (``tests/test_layers_rnn.py``); and
@@ -46,12 +46,13 @@ now found where the forward adds it to the examples' own (``tests/test_stateful_
 Five training scripts' loops follow, with gradhooks where their users would put it and each
 step against the float64 loop: llm.c's ``train_gpt2.py`` (decay groups, warmup and cosine
 decay, accumulated micro-steps of the loss inside the model over the micro-batch's counted
-tokens, the prompts' targets ignored, clipping); MoCo v2's queue and momentum encoder (updated inside the
-forward) under its SGD and cosine schedule; TD3's critic every iteration and its actor every
-second through the critic's ``Q1`` method, two hooked networks; word2vec's sparse embeddings
-under ``SparseAdam`` and a cosine schedule with the loss inside the model; and
-denoising-diffusion-pytorch's ``Trainer``, its timesteps and noise drawn inside the forward,
-over accumulated micro-batches, clipping and an EMA.
+tokens, the prompts' targets ignored, clipping); MoCo v2's queue and momentum encoder
+(updated inside the forward) under its SGD and cosine schedule; TD3's critic every iteration
+and its actor every second through the critic's ``Q1`` method, two hooked networks;
+word2vec's sparse embeddings under ``SparseAdam`` and a cosine schedule with the loss inside
+the model; and denoising-diffusion-pytorch's ``Trainer``, its timesteps and noise drawn
+inside the forward, over accumulated micro-batches, clipping and an EMA. No script found a
+wrong number or a false refusal.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def assert_trains_as_the_loop(factory, steps: int = 3, lr: float = 1e-2) -> None
     mean loss, whose ``grad1`` and per-example norms must equal each example's own gradient at
     that step's weights (a loop of batches of one, ``rtol`` of the spec) and whose ``grad1``
     must average to ``.grad`` (``atol`` a hundredth of ``rtol`` of the largest entry: where the
-    model computes in float32 inside, a gradient near zero is its rounding); the odd steps gradhooks' DP step (clipping to half the largest
-    norm, no noise), whose ``.grad`` must equal the loop's clipped mean."""
+    model computes in float32 inside, a gradient near zero is its rounding); the odd steps
+    gradhooks' DP step (clipping to half the largest norm, no noise), whose ``.grad`` must
+    equal the loop's clipped mean."""
     spec = built(factory)
     model = spec.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -288,14 +290,16 @@ class MemTransformerLM(nn.Module):
         pos_emb = self.pos_emb(pos_seq)
         core_out = word_emb
         for i, layer in enumerate(self.layers):
-            core_out = layer["dec_attn"](core_out, pos_emb, self.r_w_bias, self.r_r_bias,
-                                         dec_attn_mask[:, :, None], mems[i])  # fmt: skip
+            core_out = layer["dec_attn"](
+                core_out, pos_emb, self.r_w_bias, self.r_r_bias, dec_attn_mask[:, :, None], mems[i]
+            )
             core_out = layer["ff_norm"](core_out + layer["ff"](core_out))
         return F.linear(core_out, self.word_emb.weight, self.out_bias)
 
 
 def xl_cross_entropy(logits, target):
-    """Each sequence's summed token loss; ``logits`` ``[qlen, bsz, vocab]``, target ``[bsz, qlen]``."""
+    """Each sequence's summed token loss; ``logits`` ``[qlen, bsz, vocab]``, target
+    ``[bsz, qlen]``."""
     return F.cross_entropy(logits.permute(1, 2, 0), target, reduction="none").sum(1)
 
 
@@ -310,7 +314,7 @@ def transformer_xl():
         split=seq_first,
         hooks=dict(batch_dim=1),
         rtol=1e-5,
-    )  # fmt: skip (the scores masked in float32, as written)
+    )  # (rtol: the scores masked in float32, as written)
 
 
 def fftconv(u, k, D):
@@ -352,9 +356,12 @@ class HyenaFilter(nn.Module):
         self.register_buffer("z", torch.cat([t, z.real, z.imag], dim=-1))
         self.register_buffer("t", t)
         self.implicit_filter = nn.Sequential(
-            nn.Linear(emb_dim, order), act, nn.Linear(order, order), act,
+            nn.Linear(emb_dim, order),
+            act,
+            nn.Linear(order, order),
+            act,
             nn.Linear(order, d_model, bias=False),
-        )  # fmt: skip
+        )
         max_decay, min_decay = math.log(1e-2) / 0.3, math.log(1e-2) / 1.5
         self.register_buffer("deltas", torch.linspace(min_decay, max_decay, d_model)[None, None])
 
@@ -417,7 +424,7 @@ def hyena():
     return Spec(HyenaLM(), (ids[:, :-1],), cross_entropy, (ids[:, 1:],))
 
 
-# -- vision -----------------------------------------------------------------------------------------
+# -- vision ----------------------------------------------------------------------------------------
 
 
 class ChannelGate(nn.Module):
@@ -428,9 +435,11 @@ class ChannelGate(nn.Module):
     def __init__(self, gate_channels, reduction_ratio=2):
         super().__init__()
         self.mlp = nn.Sequential(
-            nn.Flatten(), nn.Linear(gate_channels, gate_channels // reduction_ratio), nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(gate_channels, gate_channels // reduction_ratio),
+            nn.ReLU(),
             nn.Linear(gate_channels // reduction_ratio, gate_channels),
-        )  # fmt: skip
+        )
 
     def forward(self, x):
         size = (x.size(2), x.size(3))
@@ -506,10 +515,12 @@ class DoubleConv(nn.Module):
         mid_channels = mid_channels or out_channels
         self.double_conv = nn.Sequential(
             nn.Conv2d(in_channels, mid_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(mid_channels), nn.ReLU(inplace=True),
+            nn.BatchNorm2d(mid_channels),
+            nn.ReLU(inplace=True),
             nn.Conv2d(mid_channels, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True),
-        )  # fmt: skip
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+        )
 
     def forward(self, x):
         return self.double_conv(x)
@@ -565,8 +576,13 @@ def unet_loss(masks_pred, true_masks):
 
 
 def unet(bn_eval=True):
-    return Spec(UNet(), (torch.randn(B, 1, 9, 9),), unet_loss, (torch.randint(0, 3, (B, 9, 9)),),
-                bn_eval=bn_eval)  # fmt: skip
+    return Spec(
+        UNet(),
+        (torch.randn(B, 1, 9, 9),),
+        unet_loss,
+        (torch.randint(0, 3, (B, 9, 9)),),
+        bn_eval=bn_eval,
+    )
 
 
 class SeparableConvBlock(nn.Module):
@@ -653,8 +669,12 @@ def focal_loss(scores, target, alpha=0.25, gamma=2.0):
 
 
 def efficientdet():
-    return Spec(EfficientDetLite(), (torch.randn(B, 3, 16, 16),), focal_loss,
-                ((torch.rand(B, 84, 2) < 0.2).float(),))  # fmt: skip
+    return Spec(
+        EfficientDetLite(),
+        (torch.randn(B, 3, 16, 16),),
+        focal_loss,
+        ((torch.rand(B, 84, 2) < 0.2).float(),),
+    )
 
 
 class Affine(nn.Module):
@@ -718,8 +738,11 @@ class ViTBlock(nn.Module):
         self.heads = heads
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(approximate="tanh"),
-                                 nn.Linear(mlp_ratio * dim, dim))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(mlp_ratio * dim, dim),
+        )
 
     def attn(self, x):
         b, n, c = x.shape
@@ -736,8 +759,13 @@ class ViTBlock(nn.Module):
 def sincos_2d(dim, side):
     """MAE's ``util/pos_embed.py``: ``get_2d_sincos_pos_embed``, a fixed table."""
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
-    grid = torch.stack(torch.meshgrid(torch.arange(side * 1.0), torch.arange(side * 1.0),
-                                      indexing="xy")).reshape(2, -1).double()  # fmt: skip
+    grid = (
+        torch.stack(
+            torch.meshgrid(torch.arange(side * 1.0), torch.arange(side * 1.0), indexing="xy")
+        )
+        .reshape(2, -1)
+        .double()
+    )
     out = [
         torch.cat([torch.sin(g[:, None] * omega), torch.cos(g[:, None] * omega)], 1) for g in grid
     ]
@@ -753,8 +781,15 @@ class MaskedAutoencoderViT(nn.Module):
     patch's pixels normalized by their mean and variance). The noise, drawn by ``torch.rand``
     inside, is here an input, so that each example's own loss draws the same."""
 
-    def __init__(self, img_size=8, patch_size=2, in_chans=3, embed_dim=8, decoder_embed_dim=6,
-                 mask_ratio=0.75):  # fmt: skip
+    def __init__(
+        self,
+        img_size=8,
+        patch_size=2,
+        in_chans=3,
+        embed_dim=8,
+        decoder_embed_dim=6,
+        mask_ratio=0.75,
+    ):
         super().__init__()
         self.p, self.mask_ratio = patch_size, mask_ratio
         side = img_size // patch_size
@@ -830,8 +865,11 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, hidden_size, frequency_embedding_size=8):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(frequency_embedding_size, hidden_size), nn.SiLU(),
-                                 nn.Linear(hidden_size, hidden_size))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size),
+        )
         self.frequency_embedding_size = frequency_embedding_size
 
     @staticmethod
@@ -876,8 +914,15 @@ class DiT(nn.Module):
     ``FinalLayer``'s modulated projection and ``unpatchify`` by ``torch.einsum``; the weights
     random (its zero initialisation would leave most gradients zero)."""
 
-    def __init__(self, input_size=8, patch_size=2, in_channels=2, hidden_size=8, num_classes=3,
-                 learn_sigma=True):  # fmt: skip
+    def __init__(
+        self,
+        input_size=8,
+        patch_size=2,
+        in_channels=2,
+        hidden_size=8,
+        num_classes=3,
+        learn_sigma=True,
+    ):
         super().__init__()
         self.out_channels = in_channels * 2 if learn_sigma else in_channels
         self.patch_size, self.num_classes = patch_size, num_classes
@@ -923,7 +968,7 @@ def dit():
     return Spec(DiT(), (x_t, t, y, drop), dit_loss, (torch.randn(B, 2, 8, 8),))
 
 
-# -- generative flows -------------------------------------------------------------------------------
+# -- generative flows ------------------------------------------------------------------------------
 
 
 class ActNorm(nn.Module):
@@ -1009,10 +1054,12 @@ class AffineCoupling(nn.Module):
     def __init__(self, in_channel, filter_size=6):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(in_channel // 2, filter_size, 3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(filter_size, filter_size, 1), nn.ReLU(inplace=True),
+            nn.Conv2d(in_channel // 2, filter_size, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(filter_size, filter_size, 1),
+            nn.ReLU(inplace=True),
             ZeroConv2d(filter_size, in_channel),
-        )  # fmt: skip
+        )
 
     def forward(self, input):
         in_a, in_b = input.chunk(2, 1)
@@ -1073,7 +1120,7 @@ def glow():
     return Spec(model, (x,), glow_loss)
 
 
-# -- reinforcement learning ---------------------------------------------------------------------------
+# -- reinforcement learning ------------------------------------------------------------------------
 
 
 class NoisyLinear(nn.Module):
@@ -1110,8 +1157,11 @@ class NoisyLinear(nn.Module):
 
     def forward(self, input):
         if self.training:
-            return F.linear(input, self.weight_mu + self.weight_sigma * self.weight_epsilon,
-                            self.bias_mu + self.bias_sigma * self.bias_epsilon)  # fmt: skip
+            return F.linear(
+                input,
+                self.weight_mu + self.weight_sigma * self.weight_epsilon,
+                self.bias_mu + self.bias_sigma * self.bias_epsilon,
+            )
         return F.linear(input, self.weight_mu, self.bias_mu)
 
 
@@ -1123,8 +1173,9 @@ class RainbowDQN(nn.Module):
     def __init__(self, action_space=3, atoms=5, history=2, hidden=8):
         super().__init__()
         self.atoms, self.action_space = atoms, action_space
-        self.convs = nn.Sequential(nn.Conv2d(history, 4, 3, stride=2), nn.ReLU(),
-                                   nn.Conv2d(4, 4, 3, stride=1), nn.ReLU())  # fmt: skip
+        self.convs = nn.Sequential(
+            nn.Conv2d(history, 4, 3, stride=2), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=1), nn.ReLU()
+        )
         self.conv_output_size = 4 * 2 * 2
         self.fc_h_v = NoisyLinear(self.conv_output_size, hidden)
         self.fc_h_a = NoisyLinear(self.conv_output_size, hidden)
@@ -1156,7 +1207,7 @@ def rainbow():
     return Spec(RainbowDQN(), (states, actions), rainbow_loss, (m, weights))
 
 
-# -- time series ----------------------------------------------------------------------------------------
+# -- time series -----------------------------------------------------------------------------------
 
 
 class RevIN(nn.Module):
@@ -1252,8 +1303,9 @@ class ITransformer(nn.Module):
         super().__init__()
         self.pred_len = pred_len
         self.enc_embedding = DataEmbeddingInverted(seq_len, d_model)
-        self.encoder = nn.TransformerEncoderLayer(d_model, 2, 16, dropout=0.0, activation="gelu",
-                                                  batch_first=True)  # fmt: skip
+        self.encoder = nn.TransformerEncoderLayer(
+            d_model, 2, 16, dropout=0.0, activation="gelu", batch_first=True
+        )
         self.norm = nn.LayerNorm(d_model)
         self.projector = nn.Linear(d_model, pred_len)
 
@@ -1274,7 +1326,7 @@ def itransformer():
     return Spec(ITransformer(), (x[:, :12],), mse, (x[:, 12:],))
 
 
-# -- tabular and recommendation -------------------------------------------------------------------------
+# -- tabular and recommendation --------------------------------------------------------------------
 
 
 class SparsemaxFunction(torch.autograd.Function):
@@ -1411,8 +1463,9 @@ def tabnet_loss(out, y, lambda_sparse=1e-3):
 
 
 def tabnet(bn_eval=True):
-    return Spec(TabNet(), (torch.randn(4, 5),), tabnet_loss, (torch.randint(0, 3, (4,)),),
-                bn_eval=bn_eval)  # fmt: skip
+    return Spec(
+        TabNet(), (torch.randn(4, 5),), tabnet_loss, (torch.randint(0, 3, (4,)),), bn_eval=bn_eval
+    )
 
 
 class SENETLayer(nn.Module):
@@ -1423,9 +1476,11 @@ class SENETLayer(nn.Module):
         super().__init__()
         reduction_size = max(1, filed_size // reduction_ratio)
         self.excitation = nn.Sequential(
-            nn.Linear(filed_size, reduction_size, bias=False), nn.ReLU(),
-            nn.Linear(reduction_size, filed_size, bias=False), nn.ReLU(),
-        )  # fmt: skip
+            nn.Linear(filed_size, reduction_size, bias=False),
+            nn.ReLU(),
+            nn.Linear(reduction_size, filed_size, bias=False),
+            nn.ReLU(),
+        )
 
     def forward(self, inputs):
         Z = torch.mean(inputs, dim=-1, out=None)
@@ -1560,7 +1615,7 @@ def dcn_mix():
     return Spec(DCNMix(), click_inputs(), bce, (torch.randint(0, 2, (B,)).float(),))
 
 
-# -- text pairs and summarization ---------------------------------------------------------------------
+# -- text pairs and summarization ------------------------------------------------------------------
 
 
 def sort_by_seq_lens(batch, sequences_lengths, descending=True):
@@ -1632,8 +1687,9 @@ class ESIM(nn.Module):
         self._encoding = Seq2SeqEncoder(emb, hidden)
         self._projection = nn.Sequential(nn.Linear(4 * 2 * hidden, hidden), nn.ReLU())
         self._composition = Seq2SeqEncoder(hidden, hidden)
-        self._classification = nn.Sequential(nn.Linear(2 * 4 * hidden, hidden), nn.Tanh(),
-                                             nn.Linear(hidden, classes))  # fmt: skip
+        self._classification = nn.Sequential(
+            nn.Linear(2 * 4 * hidden, hidden), nn.Tanh(), nn.Linear(hidden, classes)
+        )
 
     def forward(self, premises, premises_lengths, hypotheses, hypotheses_lengths):
         premises_mask = (premises != 0).to(self._word_embedding.weight.dtype)
@@ -1647,12 +1703,24 @@ class ESIM(nn.Module):
         )
         attended_premises = weighted_sum(encoded_hypotheses, prem_hyp_attn, premises_mask)
         attended_hypotheses = weighted_sum(encoded_premises, hyp_prem_attn, hypotheses_mask)
-        enhanced_premises = torch.cat([encoded_premises, attended_premises,
-                                       encoded_premises - attended_premises,
-                                       encoded_premises * attended_premises], dim=-1)  # fmt: skip
-        enhanced_hypotheses = torch.cat([encoded_hypotheses, attended_hypotheses,
-                                         encoded_hypotheses - attended_hypotheses,
-                                         encoded_hypotheses * attended_hypotheses], dim=-1)  # fmt: skip
+        enhanced_premises = torch.cat(
+            [
+                encoded_premises,
+                attended_premises,
+                encoded_premises - attended_premises,
+                encoded_premises * attended_premises,
+            ],
+            dim=-1,
+        )
+        enhanced_hypotheses = torch.cat(
+            [
+                encoded_hypotheses,
+                attended_hypotheses,
+                encoded_hypotheses - attended_hypotheses,
+                encoded_hypotheses * attended_hypotheses,
+            ],
+            dim=-1,
+        )
         v_ai = self._composition(self._projection(enhanced_premises), premises_lengths)
         v_bj = self._composition(self._projection(enhanced_hypotheses), hypotheses_lengths)
         v_a_avg = torch.sum(v_ai * premises_mask.unsqueeze(1).transpose(2, 1), dim=1) / torch.sum(
@@ -1677,8 +1745,13 @@ def esim():
         p, pl, h, hl = args
         return p[i : i + 1, : int(pl[i])], pl[i : i + 1], h[i : i + 1, : int(hl[i])], hl[i : i + 1]
 
-    return Spec(ESIM(), (premises, p_len, hypotheses, h_len), cross_entropy,
-                (torch.randint(0, 3, (B,)),), split=split)  # fmt: skip
+    return Spec(
+        ESIM(),
+        (premises, p_len, hypotheses, h_len),
+        cross_entropy,
+        (torch.randint(0, 3, (B,)),),
+        split=split,
+    )
 
 
 class PGAttention(nn.Module):
@@ -1771,7 +1844,7 @@ def pointer_generator():
     return Spec(PointerGenerator(), (enc, mask, extend, dec, target), identity_loss)
 
 
-# -- speech -------------------------------------------------------------------------------------------
+# -- speech ----------------------------------------------------------------------------------------
 
 
 class TDNNBlock(nn.Module):
@@ -1780,8 +1853,13 @@ class TDNNBlock(nn.Module):
 
     def __init__(self, in_channels, out_channels, kernel_size, dilation=1):
         super().__init__()
-        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation,
-                              padding=dilation * (kernel_size - 1) // 2)  # fmt: skip
+        self.conv = nn.Conv1d(
+            in_channels,
+            out_channels,
+            kernel_size,
+            dilation=dilation,
+            padding=dilation * (kernel_size - 1) // 2,
+        )
         self.norm = nn.BatchNorm1d(out_channels)
 
     def forward(self, x):
@@ -1865,8 +1943,14 @@ class ECAPA_TDNN(nn.Module):  # noqa: N801 (speechbrain's name)
     def __init__(self, input_size=5, channels=8, lin_neurons=6):
         super().__init__()
         self.block0 = TDNNBlock(input_size, channels, 5)
-        self.se_res2 = nn.ModuleList([TDNNBlock(channels, channels, 1), Res2NetBlock(channels),
-                                      TDNNBlock(channels, channels, 1), SEBlock(channels, 4)])  # fmt: skip
+        self.se_res2 = nn.ModuleList(
+            [
+                TDNNBlock(channels, channels, 1),
+                Res2NetBlock(channels),
+                TDNNBlock(channels, channels, 1),
+                SEBlock(channels, 4),
+            ]
+        )
         self.mfa = TDNNBlock(2 * channels, 2 * channels, 1)
         self.asp = AttentiveStatisticsPooling(2 * channels)
         self.asp_bn = nn.BatchNorm1d(4 * channels)
@@ -1926,10 +2010,10 @@ def ecapa(bn_eval=True):
         (torch.randint(0, 4, (B,)),),
         bn_eval=bn_eval,
         rtol=1e-5,
-    )  # fmt: skip (the margin in float32, as written)
+    )  # (rtol: the margin in float32, as written)
 
 
-# -- graphs --------------------------------------------------------------------------------------------
+# -- graphs ----------------------------------------------------------------------------------------
 
 
 def unsorted_segment_sum(data, segment_ids, num_segments):
@@ -1947,12 +2031,15 @@ class E_GCL(nn.Module):  # noqa: N801 (the repository's name)
 
     def __init__(self, nf, hidden_nf):
         super().__init__()
-        self.edge_mlp = nn.Sequential(nn.Linear(2 * nf + 1, hidden_nf), nn.SiLU(),
-                                      nn.Linear(hidden_nf, hidden_nf), nn.SiLU())  # fmt: skip
-        self.node_mlp = nn.Sequential(nn.Linear(hidden_nf + nf, hidden_nf), nn.SiLU(),
-                                      nn.Linear(hidden_nf, nf))  # fmt: skip
-        self.coord_mlp = nn.Sequential(nn.Linear(hidden_nf, hidden_nf), nn.SiLU(),
-                                       nn.Linear(hidden_nf, 1, bias=False))  # fmt: skip
+        self.edge_mlp = nn.Sequential(
+            nn.Linear(2 * nf + 1, hidden_nf), nn.SiLU(), nn.Linear(hidden_nf, hidden_nf), nn.SiLU()
+        )
+        self.node_mlp = nn.Sequential(
+            nn.Linear(hidden_nf + nf, hidden_nf), nn.SiLU(), nn.Linear(hidden_nf, nf)
+        )
+        self.coord_mlp = nn.Sequential(
+            nn.Linear(hidden_nf, hidden_nf), nn.SiLU(), nn.Linear(hidden_nf, 1, bias=False)
+        )
 
     def forward(self, h, edge_index, coord):
         row, col = edge_index
@@ -1998,11 +2085,16 @@ def egnn():
     n = 4
     row, col = zip(*[(i, j) for i in range(n) for j in range(n) if i != j])
     edges = torch.tensor([row, col])
-    return Spec(EGNN(), (torch.randn(B, n, 3), torch.randn(B, n, 3), edges), mse,
-                (torch.randn(B, 1),), split=lambda a, i: (a[0][i : i + 1], a[1][i : i + 1], a[2]))  # fmt: skip
+    return Spec(
+        EGNN(),
+        (torch.randn(B, n, 3), torch.randn(B, n, 3), edges),
+        mse,
+        (torch.randn(B, 1),),
+        split=lambda a, i: (a[0][i : i + 1], a[1][i : i + 1], a[2]),
+    )
 
 
-# -- self-supervised -------------------------------------------------------------------------------------
+# -- self-supervised -------------------------------------------------------------------------------
 
 
 class BarlowTwins(nn.Module):
@@ -2019,8 +2111,9 @@ class BarlowTwins(nn.Module):
         self.lambd = lambd
         self.backbone = nn.Sequential(nn.Linear(5, dim), nn.ReLU())
         norm = nn.GroupNorm(2, proj) if converted else nn.BatchNorm1d(proj)
-        self.projector = nn.Sequential(nn.Linear(dim, proj, bias=False), norm, nn.ReLU(),
-                                       nn.Linear(proj, proj, bias=False))  # fmt: skip
+        self.projector = nn.Sequential(
+            nn.Linear(dim, proj, bias=False), norm, nn.ReLU(), nn.Linear(proj, proj, bias=False)
+        )
         self.bn = nn.BatchNorm1d(proj, affine=False)
 
     def forward(self, y1, y2):
@@ -2037,11 +2130,14 @@ class BarlowTwins(nn.Module):
 
 def barlow_twins(converted=False):
     x = torch.randn(4, 5)
-    return Spec(BarlowTwins(converted=converted), (x + 0.1 * torch.randn(4, 5), x + 0.1 * torch.randn(4, 5)),
-                identity_loss)  # fmt: skip
+    return Spec(
+        BarlowTwins(converted=converted),
+        (x + 0.1 * torch.randn(4, 5), x + 0.1 * torch.randn(4, 5)),
+        identity_loss,
+    )
 
 
-# -- more generative models ----------------------------------------------------------------------------
+# -- more generative models ------------------------------------------------------------------------
 
 
 class VectorQuantizer(nn.Module):
@@ -2062,9 +2158,11 @@ class VectorQuantizer(nn.Module):
         inputs = inputs.permute(0, 2, 3, 1).contiguous()
         input_shape = inputs.shape
         flat_input = inputs.view(-1, self._embedding_dim)
-        distances = (torch.sum(flat_input**2, dim=1, keepdim=True)
-                     + torch.sum(self._embedding.weight**2, dim=1)
-                     - 2 * torch.matmul(flat_input, self._embedding.weight.t()))  # fmt: skip
+        distances = (
+            torch.sum(flat_input**2, dim=1, keepdim=True)
+            + torch.sum(self._embedding.weight**2, dim=1)
+            - 2 * torch.matmul(flat_input, self._embedding.weight.t())
+        )
         encoding_indices = torch.argmin(distances, dim=1).unsqueeze(1)
         encodings = torch.zeros(encoding_indices.shape[0], self._num_embeddings, dtype=inputs.dtype)
         encodings.scatter_(1, encoding_indices, 1)
@@ -2083,12 +2181,18 @@ class VQVAE(nn.Module):
 
     def __init__(self, hidden=6, embedding_dim=4):
         super().__init__()
-        self._encoder = nn.Sequential(nn.Conv2d(3, hidden, 4, stride=2, padding=1), nn.ReLU(),
-                                      nn.Conv2d(hidden, hidden, 3, padding=1))  # fmt: skip
+        self._encoder = nn.Sequential(
+            nn.Conv2d(3, hidden, 4, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(hidden, hidden, 3, padding=1),
+        )
         self._pre_vq_conv = nn.Conv2d(hidden, embedding_dim, 1)
         self._vq_vae = VectorQuantizer(embedding_dim=embedding_dim)
-        self._decoder = nn.Sequential(nn.Conv2d(embedding_dim, hidden, 3, padding=1), nn.ReLU(),
-                                      nn.ConvTranspose2d(hidden, 3, 4, stride=2, padding=1))  # fmt: skip
+        self._decoder = nn.Sequential(
+            nn.Conv2d(embedding_dim, hidden, 3, padding=1),
+            nn.ReLU(),
+            nn.ConvTranspose2d(hidden, 3, 4, stride=2, padding=1),
+        )
 
     def forward(self, x):
         loss, quantized = self._vq_vae(self._pre_vq_conv(self._encoder(x)))
@@ -2139,9 +2243,14 @@ class AdaINNet(nn.Module):
         )
         for p in [*self.enc_1.parameters(), *self.enc_2.parameters()]:
             p.requires_grad = False
-        self.decoder = nn.Sequential(nn.ReflectionPad2d(1), nn.Conv2d(c, c, 3), nn.ReLU(),
-                                     nn.Upsample(scale_factor=2, mode="nearest"),
-                                     nn.ReflectionPad2d(1), nn.Conv2d(c, 3, 3))  # fmt: skip
+        self.decoder = nn.Sequential(
+            nn.ReflectionPad2d(1),
+            nn.Conv2d(c, c, 3),
+            nn.ReLU(),
+            nn.Upsample(scale_factor=2, mode="nearest"),
+            nn.ReflectionPad2d(1),
+            nn.Conv2d(c, 3, 3),
+        )
 
     def encode_with_intermediate(self, x):
         results = [self.enc_1(x)]
@@ -2273,10 +2382,16 @@ class TemporalBlock(nn.Module):
     def __init__(self, B_, H, P, dilation):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv1d(B_, H, 1, bias=False), nn.PReLU(), GlobalLayerNorm(H),
-            nn.Conv1d(H, H, P, padding=(P - 1) * dilation // 2, dilation=dilation, groups=H, bias=False),
-            nn.PReLU(), GlobalLayerNorm(H), nn.Conv1d(H, B_, 1, bias=False),
-        )  # fmt: skip
+            nn.Conv1d(B_, H, 1, bias=False),
+            nn.PReLU(),
+            GlobalLayerNorm(H),
+            nn.Conv1d(
+                H, H, P, padding=(P - 1) * dilation // 2, dilation=dilation, groups=H, bias=False
+            ),
+            nn.PReLU(),
+            GlobalLayerNorm(H),
+            nn.Conv1d(H, B_, 1, bias=False),
+        )
 
     def forward(self, x):
         return x + self.net(x)
@@ -2293,9 +2408,12 @@ class ConvTasNet(nn.Module):
         super().__init__()
         self.N, self.L, self.C = N, L, C
         self.conv1d_U = nn.Conv1d(1, N, kernel_size=L, stride=L // 2, bias=False)
-        self.separator = nn.Sequential(ChannelwiseLayerNorm(N), nn.Conv1d(N, B_, 1, bias=False),
-                                       *[TemporalBlock(B_, H, P, 2**x) for x in range(X)],
-                                       nn.Conv1d(B_, C * N, 1, bias=False))  # fmt: skip
+        self.separator = nn.Sequential(
+            ChannelwiseLayerNorm(N),
+            nn.Conv1d(N, B_, 1, bias=False),
+            *[TemporalBlock(B_, H, P, 2**x) for x in range(X)],
+            nn.Conv1d(B_, C * N, 1, bias=False),
+        )
         self.basis_signals = nn.Linear(N, L, bias=False)
 
     def overlap_and_add(self, signal, frame_step):
@@ -2374,8 +2492,10 @@ class FNet(nn.Module):
         self.token_type_embeddings = nn.Embedding(2, d)
         self.emb_norm, self.projection = nn.LayerNorm(d), nn.Linear(d, d)
         self.fourier = nn.ModuleList(FNetFourierTransform(d) for _ in range(layers))
-        self.ff = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-                                for _ in range(layers))  # fmt: skip
+        self.ff = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+            for _ in range(layers)
+        )
         self.ff_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
         self.pooler, self.classifier = nn.Linear(d, d), nn.Linear(d, classes)
 
@@ -2395,7 +2515,7 @@ def fnet():
     return Spec(FNet(), (ids, types), cross_entropy, (torch.randint(0, 3, (B,)),))
 
 
-# -- the checks -----------------------------------------------------------------------------------------
+# -- the checks ------------------------------------------------------------------------------------
 
 MATCH = {
     "transformer-xl": transformer_xl,
@@ -2520,7 +2640,7 @@ def test_model_trained_under_bf16_autocast(name):
     train_bf16(factory, how)
 
 
-# -- training scripts' loops, with gradhooks where their users would put it ------------------------------
+# -- training scripts' loops, with gradhooks where their users would put it ------------------------
 
 D = torch.float64
 
@@ -2533,9 +2653,15 @@ class SmallEncoder(nn.Module):
 
     def __init__(self, num_classes=6, width=4):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, width, 3, stride=2, padding=1), nn.GroupNorm(2, width),
-                                  nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())  # fmt: skip
+        self.body = nn.Sequential(
+            nn.Conv2d(3, width, 3, stride=2, padding=1),
+            nn.GroupNorm(2, width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.fc = nn.Linear(width, num_classes)
 
     def forward(self, x):
@@ -2716,8 +2842,13 @@ def test_td3_train_critic_every_step_actor_delayed_through_the_critics_q1():
                 target_Q1, target_Q2 = critic_target(next_state, next_action)
                 target_Q = reward + not_done * discount * torch.min(target_Q1, target_Q2)
             follow(critic_twin, critic)
-            want = loop(critic_twin, lambda s, a, y: sum((q - y).pow(2).sum() for q in critic_twin(s, a)),
-                        state, action, target_Q)  # fmt: skip
+            want = loop(
+                critic_twin,
+                lambda s, a, y: sum((q - y).pow(2).sum() for q in critic_twin(s, a)),
+                state,
+                action,
+                target_Q,
+            )
             current_Q1, current_Q2 = critic(state, action)
             critic_loss = F.mse_loss(current_Q1, target_Q) + F.mse_loss(current_Q2, target_Q)
             critic_optimizer.zero_grad()
@@ -2869,15 +3000,19 @@ class GaussianDiffusion(nn.Module):
         )
 
     def q_sample(self, x_start, t, noise):
-        return (extract(self.sqrt_alphas_cumprod, t, x_start.shape) * x_start
-                + extract(self.sqrt_one_minus_alphas_cumprod, t, x_start.shape) * noise)  # fmt: skip
+        return (
+            extract(self.sqrt_alphas_cumprod, t, x_start.shape) * x_start
+            + extract(self.sqrt_one_minus_alphas_cumprod, t, x_start.shape) * noise
+        )
 
     def p_losses(self, x_start, t, noise=None):
         noise = torch.randn_like(x_start) if noise is None else noise
         x = self.q_sample(x_start=x_start, t=t, noise=noise)
         model_out = self.model(x, t, None)
-        target = (extract(self.sqrt_alphas_cumprod, t, x_start.shape) * noise
-                  - extract(self.sqrt_one_minus_alphas_cumprod, t, x_start.shape) * x_start)  # fmt: skip
+        target = (
+            extract(self.sqrt_alphas_cumprod, t, x_start.shape) * noise
+            - extract(self.sqrt_one_minus_alphas_cumprod, t, x_start.shape) * x_start
+        )
         loss = F.mse_loss(model_out, target, reduction="none")
         loss = loss.flatten(1).mean(1)  # (reduce(loss, "b ... -> b", "mean"))
         loss = loss * extract(self.loss_weight, t, loss.shape)
@@ -3008,8 +3143,10 @@ class LLMCGPT(nn.Module):
         param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
         decay_params = [p for p in param_dict.values() if p.dim() >= 2]
         nodecay_params = [p for p in param_dict.values() if p.dim() < 2]
-        optim_groups = [{"params": decay_params, "weight_decay": weight_decay},
-                        {"params": nodecay_params, "weight_decay": 0.0}]  # fmt: skip
+        optim_groups = [
+            {"params": decay_params, "weight_decay": weight_decay},
+            {"params": nodecay_params, "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas)
 
 
@@ -3050,8 +3187,14 @@ def test_llmc_train_gpt2_accumulation_clipping_and_lr_schedule_with_prompts_igno
 
                 def own(x1, y1, counted=counted):
                     logits = twin(x1)[0]
-                    return F.cross_entropy(logits.view(-1, 13), y1.view(-1), ignore_index=-1,
-                                           reduction="sum") * n / counted / ACC  # fmt: skip
+                    return (
+                        F.cross_entropy(
+                            logits.view(-1, 13), y1.view(-1), ignore_index=-1, reduction="sum"
+                        )
+                        * n
+                        / counted
+                        / ACC
+                    )
 
                 want = loop(twin, own, x, y)
                 _, loss = model(x, y, return_logits=False)
