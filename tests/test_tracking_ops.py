@@ -317,6 +317,43 @@ def test_squeeze_in_place_before_the_batch():
     assert ownership(lambda y: y.unsqueeze_(0), [torch.randn(3, 4, dtype=D)], 0)[1] == []
 
 
+def test_rows_indexed_by_a_range_keep_their_examples():
+    """``q[range(B), actions]`` (Rainbow's and many DQN agents' pick of each row's action)
+    indexes as ``q[list(range(B)), actions]`` does: each row keeps its example. A range is
+    followed as its list is, also where it reverses the batch or cuts it."""
+    q = torch.randn(3, 4, 2, dtype=D)
+    actions = torch.tensor([2, 0, 3])
+    for index in (lambda q: q[range(3), actions], lambda q: q[range(3)], lambda q: q[range(3), 1]):
+        assert _layout_of(index, [q], 0) == Layout(0)
+        assert ownership(index, [q], 0) == ("followed", [])
+    for r in (range(2, -1, -1), range(2), range(0, 3, 2)):
+        as_range = _layout_of(lambda q, r=r: q[r, actions[: len(r)]], [q], 0)
+        assert as_range == _layout_of(lambda q, r=r: q[list(r), actions[: len(r)]], [q], 0), r
+
+
+def test_batch_norm_of_chunks_of_the_batch_by_its_running_statistics():
+    """A batch norm applied to chunks of the batch (TabNet's ghost batch norm, ``torch.cat`` of
+    ``bn(chunk)`` over ``x.chunk(k)``): by its running statistics each row is normalized alone,
+    and followed; by the chunk's own statistics (training, or no running statistics) each
+    chunk's rows are mixed."""
+    mean, var = torch.randn(4, dtype=D), torch.rand(4, dtype=D) + 0.5
+
+    def ghost(training: bool, running: bool = True):
+        def f(x):
+            chunks = x.chunk(2, 0)
+            stats = (mean, var) if running else (None, None)
+            return torch.cat([F.batch_norm(c, *stats, training=training) for c in chunks], 0)
+
+        return f
+
+    x = torch.randn(4, 4, dtype=D)
+    assert ownership(ghost(False), [x], 0) == ("followed", [])
+    assert _layout_of(ghost(False), [x], 0) is not MIXED
+    for f in (ghost(True), ghost(True, running=False)):
+        claim, problems = ownership(f, [x], 0)
+        assert not problems and claim == "mixed"
+
+
 def test_resize_in_place_is_not_followed():
     x = torch.randn(2, 3, dtype=D)
     claim, problems = ownership(lambda x: x.resize_(3, 3), [x], 1)

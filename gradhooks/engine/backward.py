@@ -250,6 +250,9 @@ class BackwardWriter:
                     call = per_example_outputs(
                         target, layout, call, create_graph, self.state.precision
                     )
+            elif layout is not None and layout.sources:
+                # (outputs of a call with examples that do not depend on them: their shares)
+                call = per_example_outputs(target, layout, call, create_graph, self.state.precision)
             params, frame = state.params, state.frame
             if not bw.autocast:  # (the usual: no block to enter and leave per call)
                 self._backward(target, params, call, frame, bw, sums, layout, create_graph)

@@ -27,7 +27,7 @@ from ..loop import per_example
 from ..rules.fallback import FALLBACK
 from ..rules.registry import Call, CallBatch
 from ..tracking import MIXED, PACKED, UNKNOWN, Layout, Source, Tracker, batch_rows
-from ..tracking.layout import sole_owner
+from ..tracking.layout import owned, sole_owner
 from .plan import Target
 from .records import CallLayout, CallState, Frame, args_leaves, tree_leaves, with_fields
 from .state import CaptureState
@@ -166,9 +166,11 @@ def rule_pieces(
     if target.entry is FALLBACK:
         if layout is None:
             return rule(call)
+        shares = frozenset(i for i, s in enumerate(layout.sources) if s is not None)
         batch = CallBatch(
-            layout.batch, layout.inputs, layout.outputs, layout.kind == "shared", frozenset(params)
-        )
+            layout.batch, layout.inputs, layout.outputs, layout.kind == "shared", frozenset(params),
+            shares=shares if layout.kind != "shared" else frozenset(),
+        )  # fmt: skip
         return rule(with_fields(call, batch=batch))
     if layout is None or layout.kind in ("plain", "unknown"):
         return rule(call)
@@ -264,6 +266,45 @@ def _carried(new: P.Piece, old: P.Piece) -> P.Piece:
         if old.input_scale:
             new.input_scale = old.input_scale
     return new
+
+
+def _shared_outputs(
+    target: Target, outs: list, lout: tuple, grads: list, tracker: Tracker
+) -> tuple:
+    """A call of a module without a rule on inputs with examples, some of whose outputs with
+    a gradient do not depend on them (Glow's ActNorm and invertible convolution, beside
+    their output, a log-determinant of their parameters alone, which every example's loss
+    adds): those outputs become the tracker's sources, as a shared call's do, so that each
+    example's share of their gradient is found where they meet the batch. Per output leaf,
+    its :class:`Source` (or ``None``); ``()`` where there is none."""
+    found = [
+        Source(target.name, t.shape)
+        if lay is None and isinstance(t, Tensor) and any(t is g for g in grads)
+        else None
+        for t, lay in zip(outs, lout)
+    ]
+    for t, s in zip(outs, found):
+        if s is not None:
+            tracker.add_source(t, s)
+    return tuple(found) if any(s is not None for s in found) else ()
+
+
+def _packed_in_order(args: tuple, kwargs: dict, tracker: Tracker) -> Layout | None:
+    """Where a layer is given a PackedSequence without ``sorted_indices`` of the batch the
+    model put in another order before packing it (ESIM's and many text models' encoders sort
+    the batch by length, ``index_select``, then ``pack_padded_sequence`` with
+    ``enforce_sorted=True``): its rule's rows, its padded examples in the order they were
+    packed, as rows picked from the batch (row ``r`` example ``order[r]``); ``None`` for a
+    PackedSequence in the batch's order, or one whose ``sorted_indices`` put its rows back."""
+    whole = tree_flatten((args, kwargs), is_leaf=lambda a: isinstance(a, PackedSequence))[0]
+    packed = [a for a in whole if isinstance(a, PackedSequence)]
+    if len(packed) != 1 or packed[0].sorted_indices is not None:
+        return None
+    order = tracker.packed_orders.get(packed[0].batch_sizes)
+    if order is None:
+        return None
+    rows = owned(0, order, Layout(0), tracker.batch)
+    return rows if rows.owners is not None else None
 
 
 def _owned_pieces(pieces: dict, params: dict, layout: CallLayout) -> dict[str, P.Piece | None]:
@@ -788,8 +829,15 @@ class CallLayouts:
             lout = tuple([tracker.layout(t) for t in outs])
         if first.owners is not None or target.entry is FALLBACK:
             tracker.note_placed(target.module, target.where, _shapes(args, kwargs), lin)
+        if first is PACKED and target.entry is not FALLBACK:
+            packed = _packed_in_order(args, kwargs, tracker)
+            if packed is not None:
+                return CallLayout("owners", batch, packed, lin, lout, root=root)
         if first is PACKED or target.entry is FALLBACK:
-            return CallLayout("plain", batch, first, lin, lout, root=root)
+            layout = CallLayout("plain", batch, first, lin, lout, root=root)
+            if target.entry is FALLBACK and first is not PACKED:
+                layout.sources = _shared_outputs(target, outs, lout, grads, tracker)
+            return layout
         dim = target.entry.batch_dim_of(target.module)
         if first.owners is not None:
             want = 0 if dim == "positions" else dim

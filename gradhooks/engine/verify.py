@@ -374,22 +374,37 @@ def per_example_outputs(
     create_graph: bool,
     precision: torch.dtype | None = None,
 ) -> Call:
-    """A call that does not depend on the examples: its output-gradients per example, from
-    where its outputs met the batch (the tracker's sources), checked against autograd's, to
+    """A call that does not depend on the examples (or the outputs of a call with examples
+    that do not depend on them, its others left as they are): its output-gradients per
+    example, from where its outputs met the batch (the tracker's sources), checked against
+    autograd's, to
     the rounding of ``precision``, the lowest the backward's calls ran in (where they meet the
     batch under autocast, the shares are products of bfloat16 or float16 operations)."""
     where = target.where
     task = graph_task()
     grads = []
+    shared = layout.kind == "shared"
     for g, source in zip(call.grad_outputs, layout.sources):
-        if g is None:
-            grads.append(None)
+        if g is None or (source is None and not shared):
+            grads.append(g)  # (of a call with examples: an output that holds them, as it is)
             continue
         per = None if source is None else source.grads.pop(task, None)
         problem = None if source is None else source.problem
         shape = tuple(g.shape)
         if create_graph:
             problem = "a create_graph=True backward runs through it"
+        if not shared and (problem is not None or per is None):
+            # (beside outputs that hold the examples: a log-determinant of the parameters)
+            raise UnsupportedInputError(
+                f"{where}: its output {shape} does not depend on the examples while its inputs "
+                "do, and "
+                + (problem if problem is not None else "its gradient never met the batch in "
+                   "the forward (the model returns it, or a loss term uses it alone)")
+                + ", so gradhooks cannot tell each example's share of its gradient. Add it to "
+                "each example's result inside the model's forward (as a flow adds a layer's "
+                "log-determinant to the examples' own), register a rule for this module with "
+                "@gradhooks.register (see docs/extending.md), or freeze its parameters."
+            )  # fmt: skip
         if problem is not None:
             raise BatchNotFoundError(
                 f"{where}: its inputs do not depend on the examples (its output {shape} is "

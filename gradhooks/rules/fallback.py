@@ -376,13 +376,14 @@ def _by_layout_split(
         if sp
     ]
     outs_lay = [info.outputs[i] if i < len(info.outputs) else None for i in out_idx]
-    if not info.shared and any(lay is None for lay in outs_lay):
+    shares = [info.shared or i in info.shares for i in out_idx]
+    if any(lay is None and not sh for lay, sh in zip(outs_lay, shares)):
         raise UnsupportedInputError(
             f"fallback for {name}: an output that receives a gradient does not depend on the "
             f"examples while its inputs do ({_describe(call)}); register a rule for this module "
             "with @gradhooks.register (see docs/extending.md), or freeze its parameters."
         )
-    cots = gs if info.shared else [batch_rows(g, lay, batch) for g, lay in zip(gs, outs_lay)]
+    cots = [g if sh else batch_rows(g, lay, batch) for g, lay, sh in zip(gs, outs_lay, shares)]
 
     def args_of(parts) -> tuple:
         it = iter(parts)
@@ -455,7 +456,7 @@ def _by_layout_split(
             want = captured[i]
             if want is None:
                 continue
-            want = want.expand(batch, *want.shape) if info.shared else batch_rows(
+            want = want.expand(batch, *want.shape) if shares[j] else batch_rows(
                 want, info.outputs[i], batch
             )  # fmt: skip
             try:

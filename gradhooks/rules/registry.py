@@ -243,7 +243,10 @@ class CallBatch:
     examples (a position embedding looked up with ``arange``): its output is broadcast into the
     batch downstream, and ``grad_outputs`` hold each example's share, ``[size, *output.shape]``.
     ``params``: the names of the module's parameters (its own, or a submodule's it did not
-    call) that operations of the call's own used.
+    call) that operations of the call's own used. ``shares``: the output leaves of a call that
+    is not ``shared`` which do not depend on the examples (a log-determinant of the
+    parameters alone beside a batched output), whose ``grad_outputs`` hold each example's
+    share, ``[size, *output.shape]``, as a shared call's do.
     """
 
     size: int
@@ -251,6 +254,7 @@ class CallBatch:
     outputs: tuple[Any, ...]
     shared: bool = False
     params: frozenset[str] = frozenset()
+    shares: frozenset[int] = frozenset()
 
 
 Rule = Callable[[Call], Mapping[str, Piece]]

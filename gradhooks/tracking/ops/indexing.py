@@ -104,8 +104,19 @@ def _permutes(args, kwargs, size: int) -> bool:
     return is_permutation(arg(args, kwargs, 2, "index"), size)
 
 
+def ranges_as_lists(index: Any) -> Any:
+    """``index`` with each ``range`` among its items made a list: torch indexes by a range as
+    by the list of its values (``q[range(len(q)), actions]``, each row's own entry, is
+    ``q[list(range(len(q))), actions]``)."""
+    if isinstance(index, range):
+        return list(index)
+    if isinstance(index, tuple):
+        return tuple(list(i) if isinstance(i, range) else i for i in index)
+    return index
+
+
 def _getitem(args, kwargs, out, layout_of, batch):
-    x, index = args[0], args[1]
+    x, index = args[0], ranges_as_lists(args[1])
     lay = layout_of(x)
     o = first_tensor(out)
     if o is None:
@@ -574,6 +585,7 @@ def regrown_dim(name: str, args: tuple, kwargs: dict, t: Tensor, o: Tensor) -> i
 def index_map(x: Tensor, lay: Layout, index: Any, o: Tensor) -> Layout | None:
     """Where ``x[index]`` puts the batch dimension of ``x`` (``None``: the index picks or
     reorders examples)."""
+    index = ranges_as_lists(index)
     items = list(index) if isinstance(index, tuple) else [index]
     n = x.dim()
 

@@ -272,10 +272,12 @@ for _n in _SAMPLEWISE:
     HANDLERS[_n] = _per_example(_n)
 
 # the operations above in which each row of the batch runs alone: rows picked from the batch by
-# an index (a layer called on ``x[:k]``, or on the tokens routed to it) are followed through them
+# an index (a layer called on ``x[:k]``, or on the tokens routed to it) are followed through them;
+# a batch norm's rows too, where it normalizes by its running statistics (its handler refuses
+# it in training: TabNet's ghost batch norm, over chunks of the batch, mixes each chunk's rows)
 PER_ROW = frozenset(_SAMPLEWISE) | {
     "multi_head_attention_forward", "lstm", "gru", "rnn_tanh", "rnn_relu",
-    "gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell", "batch_norm",
 }  # fmt: skip
 _in_eval = _per_example("batch_norm")
 
