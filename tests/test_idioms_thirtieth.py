@@ -47,6 +47,7 @@ naming the parametrization, where the loop has its gradients: a strict xfail say
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -982,3 +983,19 @@ def test_the_model_rounded_through_bfloat16_for_an_evaluation_and_cast_back():
                 model(batch(100 + step)[0].to(torch.bfloat16))
             model.to(D).train()
             assert all(p.dtype == D for p in optimizer.param_groups[0]["params"])
+
+
+def test_check_after_weight_noise_through_functional_call_reads_no_computed_grad():
+    """``h.check()`` after a step of weight noise through ``functional_call``: the tensors
+    computed in the slots (``p + noise``) got ``grad1`` too, and have no ``.grad`` of their
+    own; the check compares the parameters' without asking torch for theirs (which warns of
+    a non-leaf tensor's ``.grad``), and finds nothing wrong."""
+    model = WeightNoise(2)
+    with gradhooks.add_hooks(model.net) as h:
+        model.draw(0)
+        x, y = batch(0)
+        over_samples(model(x), y).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            report = h.check(raise_on_error=False)
+    assert not report.problems, report.problems

@@ -1270,6 +1270,9 @@ def check_hooks(
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
     written = {names.get(i, "?"): p for i, p in state.written.items()}
+    # (.grad of each: a tensor computed in a slot by functional_call has none of its own,
+    # and reading it would make torch warn of a non-leaf tensor's .grad)
+    grads = {n: p.grad if p.is_leaf or p.retains_grad else None for n, p in written.items()}
     for name in state.missed:
         report.problems.append(
             f"'{name}': a backward computed its gradient but no forward call of its module was "
@@ -1292,7 +1295,7 @@ def check_hooks(
     reset = {id(p) for p in state.trail.reset_since()} if written else set()
     # (the model's largest gradient entry: the scale of a gradient whose terms cancel)
     overall = max(
-        (largest(p.grad) for p in written.values() if p.grad is not None and p.grad.numel()),
+        (largest(g) for g in grads.values() if g is not None and g.numel()),
         default=0.0,
     )
     for name, p in written.items():
@@ -1300,7 +1303,8 @@ def check_hooks(
         bad = ~torch.isfinite(g1.flatten(1)).all(1) if g1.dim() > 1 else ~torch.isfinite(g1)
         if bad.any():
             report.nonfinite[name] = bad.nonzero().flatten().tolist()
-        if id(p) in reset and not (p.grad is not None and not g1.any() and not p.grad.any()):
+        grad = grads[name]
+        if id(p) in reset and not (grad is not None and not g1.any() and not grad.any()):
             # (zeros in both agree, whichever backward left them: the zeros a backward gives
             # a parameter it did not reach after zero_grad(set_to_none=False) look as a
             # .grad zeroed through .data after it does)
@@ -1311,10 +1315,10 @@ def check_hooks(
                 "grad1 disagree. Read grad1 after the backward of a loss that reaches the model."
             )
             continue
-        if p.grad is None or not g1.shape[0]:
+        if grad is None or not g1.shape[0]:
             continue
         got = g1.mean(0) if reduce == "mean" else g1.sum(0)
-        want = p.grad.detach().to(got.dtype)
+        want = grad.detach().to(got.dtype)
         if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
             continue  # reported as non-finite
         # (the same backward's, within the rounding the run-time check allows: relative to
