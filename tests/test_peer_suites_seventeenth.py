@@ -66,6 +66,7 @@ otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import random
@@ -773,8 +774,14 @@ def test_opacus_benchmark_layers_clipped_step(name, batch_first):
     opacus = pytest.importorskip("opacus", reason="needs opacus")
     theirs = copy.deepcopy(layer)
     gsm = opacus.GradSampleModule(theirs, batch_first=batch_first, loss_reduction="mean")
+    # (Opacus' embedding sampler sets torch.backends.cudnn.deterministic, which torch refuses
+    # once its internal test utilities, imported by other test files in this process, froze
+    # the flags: allowed for the backward, as torch's own tests do)
+    mutable = getattr(torch.backends, "__allow_nonbracketed_mutation", contextlib.nullcontext)
     try:
-        soft_cross_entropy(class_axis_first(output_of(gsm(*args)), batch_dim), labels).backward()
+        with mutable():
+            out = class_axis_first(output_of(gsm(*args)), batch_dim)
+            soft_cross_entropy(out, labels).backward()
         samples = {n: p.grad_sample for n, p in theirs.named_parameters()}
     finally:
         gsm._close()  # (which deletes grad_sample)
