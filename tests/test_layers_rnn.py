@@ -812,6 +812,72 @@ def test_paused_and_repeated_backwards():
         assert_close(t.grad, w, "input-gradient")
 
 
+# nn.RNN and nn.GRU calls on a padded input run so too: their rule's backward through time
+# gives .grad and the gradients of the input and of h0.
+
+
+@pytest.mark.parametrize("kind", ["tanh", "relu", "gru"])
+@pytest.mark.parametrize(
+    "layers, bidirectional, batch_first, state, x_grad",
+    [(1, False, True, True, True), (2, True, False, True, True), (2, False, True, False, True),
+     (1, True, False, True, False)],
+    ids=["1-layer-h0", "2-bidir-time-major-h0", "2-layer", "bidir-h0-only"],
+)  # fmt: skip
+def test_rnn_and_gru_grads_equal_autograd_without_hooks(
+    monkeypatch, kind, layers, bidirectional, batch_first, state, x_grad
+):
+    """.grad of every parameter and the gradients of x and h0 against the same nn.RNN or
+    nn.GRU without hooks (float64), all from the rule (autograd's backward of the call is
+    never run again for them); grad1 against vmap(grad) (sum reduction)."""
+    from gradhooks.engine import capture
+
+    def rerun(*args):
+        raise AssertionError("the call was run again under autograd for its gradients")
+
+    monkeypatch.setattr(capture, "_rerun_alone", rerun)
+    torch.manual_seed(layers)
+    rnn = TYPES[kind](3, 4, layers, bidirectional=bidirectional, batch_first=batch_first)
+    rnn = rnn.to(D)
+    batch, time, k = 4, 5, layers * (2 if bidirectional else 1)
+    x = torch.randn(*((batch, time, 3) if batch_first else (time, batch, 3)), dtype=D)
+    x.requires_grad_(x_grad)
+    h0 = torch.randn(k, batch, 4, dtype=D, requires_grad=True) if state else None
+    inputs = [t for t in (x, h0) if t is not None and t.requires_grad]
+
+    def loss(out, h):
+        return (out**2).sum() + out.sum() + (h**2).sum()
+
+    ref = copy.deepcopy(rnn)
+    loss(*ref(x, h0)).backward()
+    want_in = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    with gradhooks.add_hooks(rnn, loss_reduction="sum"):
+        out, h = rnn(x, h0)
+        assert owned(out) and owned(h)
+        loss(out, h).backward()
+    for (n, p), r in zip(rnn.named_parameters(), ref.parameters(), strict=True):
+        assert_close(p.grad, r.grad, f"{n}: .grad")
+    for t, w in zip(inputs, want_in, strict=True):
+        assert_close(t.grad, w, "input-gradient")
+
+    class Split(nn.Module):  # (the batch on dimension 0 of every input and output)
+        def __init__(self):
+            super().__init__()
+            self.rnn = rnn
+
+        def forward(self, x, *state):
+            x = x if batch_first else x.transpose(0, 1)
+            out, h = self.rnn(x, state[0].transpose(0, 1).contiguous() if state else None)
+            return out if batch_first else out.transpose(0, 1), h.transpose(0, 1)
+
+    xb = (x if batch_first else x.transpose(0, 1)).detach()
+    st_b = () if h0 is None else (h0.detach().transpose(0, 1),)
+    want = vmap_grad(Split(), lambda o: loss(*o), (xb, *st_b))
+    for n, p in rnn.named_parameters():
+        assert_close(p.grad1, want["rnn." + n], f"{n}: grad1")
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_forward_that_raises_restores_grad_mode_and_parameters(layers):
     rnn = nn.LSTM(3, 4, layers)

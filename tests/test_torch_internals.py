@@ -568,6 +568,19 @@ class _RNNOutput(nn.Module):
         return self.rnn(x)[0]
 
 
+class _CellOutput(nn.Module):
+    """An LSTM cell's state ``h`` (of its two outputs, ``h`` and ``c``), as the model's output:
+    a call autograd runs (an ``nn.RNN`` on a padded input runs with grad mode off, its rule
+    giving every gradient through one node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(3, 2)
+
+    def forward(self, x):
+        return self.cell(x)[0]
+
+
 @pytest.mark.parametrize("off", [False, True], ids=["internal", "fallback"])
 def test_engine_executes_for_a_backward_rooted_at_a_calls_output(off):
     """``out.backward(v)`` where ``out`` is one of a hooked call's several outputs: with the
@@ -576,10 +589,10 @@ def test_engine_executes_for_a_backward_rooted_at_a_calls_output(off):
     ``register_multi_grad_hook`` waits for the root forever: no ``grad1``, and a warning that
     no call was captured for those parameters."""
     torch.manual_seed(0)
-    model = _RNNOutput().double()
-    x = torch.randn(3, 4, 3, dtype=torch.float64)
-    v = torch.randn(3, 4, 2, dtype=torch.float64)
-    want = vmap_grad(model, lambda out, t: (out * t).sum(), (x,), v)
+    model = _CellOutput().double()
+    x = torch.randn(3, 3, dtype=torch.float64)
+    v = torch.randn(3, 2, dtype=torch.float64)
+    want = loop_grad(model, lambda out, t: (out * t).sum(), x, v)
     with switched_off("engine_executes", off), gradhooks.add_hooks(model, loss_reduction="sum"):
         if off:
             with pytest.warns(gradhooks.GradhooksWarning, match="no forward call"):

@@ -224,6 +224,10 @@ class BackwardWriter:
         if bw is not None:
             ids = [id(p) for p in state.params.values()]
             bw.reached.update(ids)
+            owned = call.input_grads is not None  # (run with grad mode off: owns_backward)
+            bw.owned_calls += owned
+            for pid in ids:
+                bw.owned_only[pid] = owned and bw.owned_only.get(pid, True)
             if sums is None:  # (a call run detached gives its parameters no gradient of autograd's)
                 bw.attached.update(ids)
             bw.inside = bw.inside or state.in_backward
@@ -1230,7 +1234,10 @@ class BackwardWriter:
         if left_out and self.state.collector is not None:
             self.state.collector.drop(left_out)
         if bw.verify and bw.grads and bw.reached and self.state.grad1:
-            self.verifier.verify_backward(bw)
+            # (its sums in the precision the engine chose, also where the backward runs inside
+            # the autocast block, which would round grad1 weighted over the examples in bfloat16)
+            with autocast_off(bw.autocast):
+                self.verifier.verify_backward(bw)
         elif (
             bw.spot_grad is not None and kept and bw.spot in bw.reached and bw.spot not in left_out
         ):
@@ -1239,9 +1246,12 @@ class BackwardWriter:
             if bw.reached and bw.probe is not None and bw.frames == {bw.probe.frame}:
                 # (after the collector's own callback, which forms the norms)
                 kept = self.state.collector.results() if self.state.collector else None
-                _torch.queue_backward_callback(
-                    lambda: self.verifier.verify_norms(bw, bw.probe, kept)
-                )
+
+                def verify_norms() -> None:
+                    with autocast_off(bw.autocast):
+                        self.verifier.verify_norms(bw, bw.probe, kept)
+
+                _torch.queue_backward_callback(verify_norms)
             self.state.unverified -= bw.verify
         if self.state.check_weights is not None and bw.reached:
             keep_check_shares(self.state, bw)

@@ -32,6 +32,7 @@ from .plan import Target
 from .records import (
     CallState,
     Hook,
+    autocast_off,
     detach_tree,
     is_compiling,
     tree_leaves,
@@ -193,6 +194,44 @@ def _rerun_alone(
     swap = dict(zip(map(id, inputs), leaves))
     call = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, Tensor) else t, owned)
     return _rerun(module, call, grads, [*params, *leaves], False, autocast)
+
+
+def _rerun_as_rule(
+    module: nn.Module,
+    owned: tuple[tuple, dict],
+    grads: list,
+    params: list[Tensor],
+    inputs: list[Tensor],
+) -> list[Tensor | None]:
+    """:func:`_rerun_alone` in the precision an owned call's rule computes in (``owns_backward``:
+    the parameters' dtype, from the call's inputs, whatever autocast the forward ran under),
+    for the probe's reference (:meth:`DetachedCalls.capture_owned`): autocast off, the call's
+    floating-point inputs and output-gradients cast to the parameters' dtype. Under a half
+    precision, autograd's backward of the call run again as it ran rounds in that precision
+    what the rule sums in its own (each time step's share of a recurrent layer's gradients,
+    one by one): the two would differ by that rounding, which a mixing of the examples may hide
+    in; in one precision, by its rounding alone. The gradients are given back in the dtypes of
+    ``inputs``."""
+    dtype = params[0].dtype if params else None
+    if dtype is None or not dtype.is_floating_point:
+        return _rerun_alone(module, owned, grads, params, inputs)
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    swap = dict(zip(map(id, inputs), leaves))
+
+    def cast(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        t = swap.get(id(t), t)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    call = tree_map(cast, owned)
+    grads = [g.to(dtype) if isinstance(g, Tensor) and g.is_floating_point() else g for g in grads]
+    with autocast_off():  # (also where the backward runs inside an autocast block)
+        found = _rerun(module, call, grads, [*params, *leaves], False)
+    return [
+        g if g is None or i < len(params) else g.to(inputs[i - len(params)].dtype)
+        for i, g in enumerate(found)
+    ]
 
 
 def _rerun(
@@ -607,11 +646,7 @@ class DetachedCalls:
             if self.state.probing:  # (autograd's own gradients, by a rerun: no rule runs)
                 inputs = [in_leaves[i] for i in in_idx]
                 with self.nested():
-                    return tuple(
-                        _rerun_alone(
-                            module, owned, full, [*detached.values()], inputs, call.autocast
-                        )
-                    )
+                    return tuple(_rerun_as_rule(module, owned, full, [*detached.values()], inputs))
             create_graph = torch.is_grad_enabled()
             sums: dict[str, Tensor] = {}
             filled = with_fields(call, grad_outputs=tuple(full), input_grads=[])

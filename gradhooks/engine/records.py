@@ -196,6 +196,12 @@ class Backward:
     # per parameter id, the terms autograd's kernels added one by one in a half precision to
     # form its gradient, over this backward's calls (pieces.Piece.rounded_terms)
     rounded: dict[int, int] = field(default_factory=dict)
+    # how many of its calls ran with grad mode off (owned: their rule gives the parameters'
+    # and inputs' gradients, in the parameters' dtype, and the probe's reference through them
+    # is autograd's in that dtype too, capture._rerun_as_rule), and per parameter id whether
+    # every call of it that it reached was owned (Verifier's probe_precision)
+    owned_calls: int = 0
+    owned_only: dict[int, bool] = field(default_factory=dict)
     # per parameter id with rounded terms, the largest entry of the sum of their magnitudes, the
     # scale of their rounding (pieces.Piece.terms_scale), over this backward's calls; or of
     # several calls' shares, each rounded (shares, taken in by the check)

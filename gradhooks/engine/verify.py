@@ -236,6 +236,33 @@ def _weighted_size(bw: Backward, pid: int, weighted: float) -> float:
     return size
 
 
+def probe_precision(bw: Backward, probe: Probe, pid: int, dtype: torch.dtype) -> torch.dtype | None:
+    """The precision the probe compares a parameter's gradient in (of dtype ``dtype``): the
+    lowest its backward's calls and its forward ran in, but the parameter's own where that is
+    a half precision and the parameter's gradient was computed in its own, on both sides: every
+    call of it in the backward was owned (its rule computes in the parameters' dtype, and the
+    probe's reference through the call is autograd's in that dtype too,
+    :func:`~.capture._rerun_as_rule`), the only owned call of the backward (another's
+    input-gradients, the rule's there and autograd's in the probe, each rounded to the half
+    precision, may round apart by a unit), and no use of the parameter outside a call. The
+    output-gradients the two sides start from are then the same rows, weighted by powers of
+    two (:func:`pieces.example_weights`, ``exact``), which every operation between the call
+    and the model's outputs carries without rounding: only a mixing of the examples there (or
+    a wrong rule) makes them differ by more than that precision's rounding."""
+    low = lowest_precision(bw.precision, probe.precision)
+    if (
+        half_precision(low)
+        and probe.exact
+        and bw.owned_calls == 1
+        and bw.owned_only.get(pid, False)
+        and pid not in bw.direct
+        and not bw.rounded.get(pid)
+        and dtype in (torch.float32, torch.float64)
+    ):
+        return dtype
+    return low
+
+
 def keep_check_shares(state: CaptureState, bw: Backward) -> None:
     """At the end of backward ``bw``, where a workflow checks it itself
     (:attr:`CaptureState.check_weights`): the room of that check, per parameter that several
@@ -1074,7 +1101,7 @@ class Verifier:
                 want = want.to(got.dtype)
             diff = mismatch(
                 got, want, None, overall, **PROBE_TOLERANCE,
-                precision=lowest_precision(bw.precision, probe.precision), exact=probe.exact,
+                precision=probe_precision(bw, probe, pid, want.dtype), exact=probe.exact,
                 terms=bw.rounded.get(pid, 0), terms_scale=_weighted_size(bw, pid, weighted),
             )  # fmt: skip
             del got, want
@@ -1123,10 +1150,10 @@ class Verifier:
                 continue  # (a layer that counts its examples otherwise: bags)
             got = sums.pop(pid, None)  # (None: no call of it: zeros)
             want = probe.grads[pid] * scale
+            low = probe_precision(bw, probe, pid, want.dtype)
             diff = mismatch(
                 None if got is None else got.to(want.dtype), want, None, overall,
-                **PROBE_TOLERANCE, precision=lowest_precision(bw.precision, probe.precision),
-                exact=probe.exact, terms=bw.rounded.get(pid, 0),
+                **PROBE_TOLERANCE, precision=low, exact=probe.exact, terms=bw.rounded.get(pid, 0),
                 terms_scale=_weighted_size(bw, pid, weighted),
             )  # fmt: skip
             dtype = want.dtype
@@ -1138,7 +1165,6 @@ class Verifier:
             sq = collector.param_sq_norms[name]
             norm, norm_want = float(sq[-1].clamp_min(0).sqrt()), alone.get(pid, 0.0)
             # (by the parameter's dtype: a bfloat16 parameter's norms are float32 sums)
-            low = lowest_precision(bw.precision, probe.precision)
             tol = rounding_tolerance(
                 dtype, low, probe.exact, **PROBE_TOLERANCE, terms=bw.rounded.get(pid, 0)
             )

@@ -330,7 +330,9 @@ class Registry:
     gives the gradients of its inputs (``call.input_grads``) with its pieces. The output may
     then be any tree of tensors; ``create_graph`` backwards run the forward again under
     autograd. A parameter changed in place between the forward and the backward is refused,
-    as autograd refuses a saved tensor changed so. Given ``record``, its context manager is
+    as autograd refuses a saved tensor changed so. The rule computes in the parameters' dtype,
+    also under autocast: the run-time check's reference of such a call is autograd's through
+    it run again in that dtype, autocast off. Given ``record``, its context manager is
     entered around the call's forward (a ``TorchFunctionMode`` can keep what the forward
     computes on the way), and what its ``__enter__`` returned reaches the rule as
     ``call.recorded``. ``nn.LSTM`` keeps its lower layers' outputs this way.

@@ -13,14 +13,18 @@ An LSTM whose every sequence is full length (not packed, or packed at full lengt
 its hidden states come from torch's fused forward (the last layer's are the module's own
 output, kept with ``needs_output``; the earlier layers' are kept at the forward where the call
 runs with grad mode off, see below and :class:`_LayerOutputs`, else each is one fused no-grad
-run again), so all gate pre-activations are two matmuls and the cell states one ``addcmul``
+run again; under a half precision's autocast, every layer's is run again in the parameters'
+dtype), so all gate pre-activations are two matmuls and the cell states one ``addcmul``
 per step. Its backward through time is three ops per step into preallocated buffers (inside
-``vmap``, for the Jacobians, the step-by-step backward is used instead). Such a call (a padded
-input, no dropout between layers) runs without autograd while ``grad1`` or the norms are
-computed (``grad_from_grad1`` with ``owns_backward``): torch's own LSTM backward is not run, the
-batch gradients are the sums of the per-example ones and the input-, ``h0``- and
-``c0``-gradients come from the same backward through time (``d x_t = d G_t W_ih``,
-``d h0 = d G_0 W_hh``, ``d c0 = d c_0 f_0``).
+``vmap``, for the Jacobians, the step-by-step backward is used instead). An RNN, GRU or LSTM
+call on a padded input (no dropout between layers) runs without autograd while ``grad1`` or
+the norms are computed (``grad_from_grad1`` with ``owns_backward``): torch's own backward of
+the layer is not run, the batch gradients are the sums of the per-example ones and the input-,
+``h0``- (and ``c0``-) gradients come from the same backward through time (``d x_t = d G_t
+W_ih``, ``d h0 = d G_0 W_hh`` (a GRU's plus ``d h_0 z_0``), ``d c0 = d c_0 f_0``). Under
+autocast the rule computes in the parameters' dtype from the call's input, and so does the
+run-time check's reference of such a call (:func:`gradhooks.engine.capture._rerun_as_rule`):
+the two agree to that dtype's rounding.
 
 Each weight sees its input at every step, so its per-example gradient is an :class:`Outer` with
 ``shared`` = time steps:
@@ -308,12 +312,13 @@ class _Direction:
         for t in range(d_out.shape[0] - 1, -1, -1):
             d_pre_t, direct = step(t, d_h)
             d_pre.append(d_pre_t)
-            if t == 0:
-                break
-            nxt = d_out[t - 1] if direct is None else direct + d_out[t - 1]
+            nxt = direct if t == 0 else d_out[t - 1] if direct is None else direct + d_out[t - 1]
             if m is not None:
-                nxt = torch.addcmul(nxt, d_h, skip[t])
-            d_h = torch.addmm(nxt, d_pre_t, self.w_hh)
+                nxt = d_h * skip[t] if nxt is None else torch.addcmul(nxt, d_h, skip[t])
+            # (at t = 0, the initial state's: d h0)
+            d_h = d_pre_t @ self.w_hh if nxt is None else torch.addmm(nxt, d_pre_t, self.w_hh)
+        if self.mode != "LSTM":  # (an LSTM's d h0 and d c0: its fast path's, _lstm_back_fast)
+            self.d_state0 = (d_h, None)
         return torch.stack(d_pre[::-1])
 
     def _rnn_back(self, d_out, d_hn, m):
@@ -696,7 +701,8 @@ def backpropagate(
                 d_out = d_x if keep is None else d_x * keep
         if inputs is not None and all(s is not None for s in d_h0):
             d_x = rearrange(d_x, "time batch inp -> batch time inp")
-            inputs.extend([d_x, torch.stack(d_h0), torch.stack(d_c0)])
+            lstm = module.mode == "LSTM"
+            inputs.extend([d_x, torch.stack(d_h0), torch.stack(d_c0) if lstm else None])
     return pieces
 
 
@@ -788,7 +794,6 @@ def refuse_dropout(module: nn.RNNBase, name: str | None, training: bool | None =
         )
 
 
-@register(nn.RNN, nn.GRU, batch_dim=batch_first, on_forward=refuse_dropout)
 def rnn(call: Call) -> dict[str, Outer]:
     module: nn.RNNBase = call.module
     x, hx = call.inputs[0], _initial_state(call)
@@ -831,22 +836,27 @@ def rnn(call: Call) -> dict[str, Outer]:
     if torch.is_grad_enabled() and not _transformed(grads):
         # A create_graph backward the fallback cannot split into examples
         return _example_by_example(module, call.parameter, x_pad, lengths, hx, grads)
-    output = None
-    if not packed and call.output is not None:
-        output = call.output[0]
-        output = output if module.batch_first else rearrange(output, "t b o -> b t o")
-    lower = getattr(call.recorded, "outputs", None)
+    device = x_pad.device.type
+    half = any(d == device and half_precision(t) for d, t in call.autocast)
+    output = lower = None
+    # (an LSTM's states as its forward computed them, but where that ran under a half
+    # precision's autocast: then in the parameters' dtype, by torch's fused forward again, so
+    # that this rule computes in that one precision from the call's inputs, as the run-time
+    # check's reference of a call it owns does: gradhooks.engine.capture._rerun_as_rule)
+    if not half:
+        lower = getattr(call.recorded, "outputs", None)
+        if not packed and call.output is not None:
+            output = call.output[0]
+            output = output if module.batch_first else rearrange(output, "t b o -> b t o")
     found: list[Tensor] | None = None if call.input_grads is None else []
     # in the parameters' dtype, also where the backward runs under autocast
-    with torch.autocast(x_pad.device.type, enabled=False):
+    with torch.autocast(device, enabled=False):
         _, layers = recompute(module, x_pad, lengths, hx, output, lower=lower,
                               weight=call.parameter)  # fmt: skip
         pieces = backpropagate(module, layers, grads, found)
-    device = x_pad.device.type
-    if call.input_grads is None and any(
-        d == device and half_precision(t) for d, t in call.autocast
-    ):
-        # autograd's own backward of the call (not this rule's: see _owns_backward) ran under
+    if call.input_grads is None and half:
+        # autograd's own backward of the call (on a PackedSequence: not this rule's, see
+        # _owns_backward, whose calls are checked in the parameters' dtype instead) ran under
         # the forward's autocast: torch's RNN and GRU round each time step's share of the
         # parameters' gradients to its precision, and its backward through time takes the
         # gates' derivatives (1 - h², σ(1 - σ)) from states rounded at the forward, far off
@@ -870,18 +880,22 @@ def rnn(call: Call) -> dict[str, Outer]:
         if not module.batch_first:
             d_x = rearrange(d_x, "batch time inp -> time batch inp")
         by_id = {id(given): d_x}
-        if hx is not None:
+        if isinstance(hx, (tuple, list)):
             by_id.update({id(hx[0]): d_h0, id(hx[1]): d_c0})
+        elif hx is not None:
+            by_id[id(hx)] = d_h0
         leaves = tree_flatten((call.inputs, call.kwargs))[0]
         call.input_grads.extend(by_id.get(id(t)) for t in leaves)
     return pieces
 
 
-def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
-    """Whether an LSTM call runs without autograd, its rule giving the parameters' batch
-    gradients and the input-gradients (the fast path's backward through time, run anyway for
-    the per-example gradients, replaces torch's): a padded ``[batch, time, in]`` or
-    ``[time, batch, in]`` input, and no dropout between layers."""
+def _owns_backward(module: nn.RNNBase, args: tuple) -> bool:
+    """Whether an RNN, GRU or LSTM call runs without autograd, its rule giving the parameters'
+    batch gradients and the input-gradients (the backward through time, run anyway for the
+    per-example gradients, replaces torch's): a padded ``[batch, time, in]`` or
+    ``[time, batch, in]`` input, and no dropout between layers. Its gradients are then the
+    rule's alone, computed in the parameters' dtype also under autocast, and the run-time
+    check's reference of the call is autograd's in that dtype too."""
     x = args[0] if args else None
     return (
         isinstance(x, Tensor)
@@ -890,6 +904,10 @@ def _owns_backward(module: nn.LSTM, args: tuple) -> bool:
     )
 
 
+register(
+    nn.RNN, nn.GRU, grad_from_grad1=_owns_backward, owns_backward=True, batch_dim=batch_first,
+    on_forward=refuse_dropout,
+)(rnn)  # fmt: skip
 # needs_output: the last layer's states are not recomputed
 register(
     nn.LSTM, needs_output=True, grad_from_grad1=_owns_backward, owns_backward=_record_layers,
